@@ -1,0 +1,320 @@
+"""The speculative decoding loop (DESIGN.md §2) and its user-facing API.
+
+One request, batch 1::
+
+    prefill(target) -> first token (the target's own)
+    loop:
+      1. draft  = proposer.propose(context, k)            # DraftTokens: ids [k], probs [k, V] | None
+      2. logits = target.forward(last + draft.ids)        # [k + 1, V]: one pass
+      3. result = verify(draft, logits, sampling, gen)    # n accepted + 1 recovered / bonus token
+      4. target.truncate(len_before + n); proposer.observe(result)
+      5. stats.observe(k, n); emit the n + 1 tokens; stop on EOS / stop string / max tokens
+
+Invariant: the target's cache holds every context token but the last, which is fed (with the
+draft) by the next pass. Target-only decoding is the same loop with no proposer (k = 0).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.errors import IncompatibleModelsError
+from specdecode.models.runner import ModelRunner
+from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.sampling import SamplingParams
+from specdecode.stats import SpecStats
+from specdecode.text import StopStringStream
+from specdecode.verify import verify
+
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass
+class GenerationResult:
+    """What one ``generate`` call returns.
+
+    Attributes:
+        text: the new text (special tokens skipped, cut before a stop string).
+        token_ids: the new token ids (an EOS token that ended generation is included).
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_new_tokens or the
+            model's context length).
+        stats: decoding statistics.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, **self.stats.to_dict()}
+
+
+def _check_k(num_speculative_tokens: int) -> int:
+    if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}"
+        )
+    return num_speculative_tokens
+
+
+class SpeculativeGenerator:
+    """Lossless speculative decoding with a target model and a proposer.
+
+    Greedy output equals the target's own greedy decoding; sampled output follows the target's
+    distribution exactly (modified rejection sampling, Leviathan et al. 2023).
+
+    Args:
+        target: the target ``transformers`` causal LM.
+        draft: a draft causal LM with the target's vocabulary (becomes a
+            :class:`~specdecode.proposers.draft_model.DraftModelProposer`), or None.
+        tokenizer: the target's tokenizer; needed for string prompts, text and stop strings.
+        proposer: any :class:`~specdecode.proposers.base.Proposer` (instead of ``draft``).
+
+    Raises:
+        IncompatibleModelsError: the draft's vocabulary size differs from the target's.
+        ValueError: both ``draft`` and ``proposer`` were given.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        tokenizer: Any = None,
+        proposer: Proposer | None = None,
+    ) -> None:
+        if draft is not None and proposer is not None:
+            raise ValueError("give either draft= or proposer=, not both")
+        self.target = ModelRunner(target)
+        self.tokenizer = tokenizer
+        if draft is not None:
+            proposer = DraftModelProposer(draft)
+        if proposer is not None and getattr(proposer, "vocab_size", self.target.vocab_size) != self.target.vocab_size:
+            raise IncompatibleModelsError(
+                f"draft vocabulary size {proposer.vocab_size} differs from the target's "  # type: ignore[attr-defined]
+                f"{self.target.vocab_size}; the draft must share the target's tokenizer"
+            )
+        self.proposer = proposer
+        self.eos_token_ids = self._eos_ids(target, tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        dtype: str | torch.dtype = "bfloat16",
+        use_default_draft: bool = True,
+    ) -> SpeculativeGenerator:
+        """Load target and draft from local paths (HF model folders or ``.gguf`` files).
+
+        Args:
+            target: path, or None for the default target (Qwen2.5-Coder-1.5B-Instruct).
+            draft: path, or None for the default draft (Qwen2.5-Coder-0.5B-Instruct) when
+                ``use_default_draft`` is True.
+            dtype: ``"bfloat16"`` or ``"float32"`` (or the torch dtype).
+            use_default_draft: load the default draft when ``draft`` is None; False gives a
+                target-only generator.
+
+        Raises:
+            ModelNotFoundError: a path does not exist, or a default model is not installed.
+            ValueError: unknown dtype.
+            IncompatibleModelsError: vocabularies differ.
+        """
+        from specdecode.models.loading import load_model, load_tokenizer
+
+        target_model, target_dir = load_model(target, "target", dtype)
+        draft_model = None
+        if draft is not None or use_default_draft:
+            draft_model, _ = load_model(draft, "draft", dtype)
+        return cls(target_model, draft_model, tokenizer=load_tokenizer(target_dir))
+
+    @staticmethod
+    def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is not None:
+                ids.update([value] if isinstance(value, int) else value)
+        return frozenset(ids)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.target.model.dtype).removeprefix("torch.")
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: str | Sequence[int], raw: bool = False) -> torch.Tensor:
+        """Token ids of a prompt: int64 ``[T]``.
+
+        A string gets the tokenizer's chat template (one user turn) unless ``raw``; a list of
+        token ids is used as is.
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, a string without a tokenizer, or
+                a prompt that fills the target's context.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the generator has no tokenizer; pass token ids")
+            if not raw and getattr(self.tokenizer, "chat_template", None):
+                prompt = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                )
+            ids = self.tokenizer.encode(prompt, add_special_tokens=raw)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        V = self.target.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got min {min(ids)}, max {max(ids)}")
+        if len(ids) >= self.target.max_length:
+            raise ValueError(f"prompt has {len(ids)} tokens; the target's context is {self.target.max_length}")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ the loop
+    def _steps(
+        self,
+        prompt_ids: torch.Tensor,
+        sampling: SamplingParams,
+        k: int,
+        proposer: Proposer | None,
+        stats: SpecStats,
+        generator: torch.Generator,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each target pass (int64 ``[n + 1]``); the caller decides when to stop."""
+        target = self.target
+        target.reset()
+        if proposer is not None:
+            proposer.reset()
+        T = prompt_ids.shape[0]
+        context = torch.empty(T + sampling.max_new_tokens + k + 1, dtype=torch.int64)  # preallocated
+        context[:T] = prompt_ids
+
+        logits = target.forward(prompt_ids, num_logits=1)  # (1, V): prefill
+        stats.target_forward_passes += 1
+        result = verify(DraftTokens.empty().ids, None, logits, sampling, generator)
+        while True:
+            context[T : T + result.tokens.shape[0]] = result.tokens
+            T += result.tokens.shape[0]
+            yield result.tokens
+            # context[:T] is known; the target has cached context[:T - 1].
+            room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
+            k_step = min(k, room) if proposer is not None else 0
+            draft = proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()  # 1.
+            logits = target.forward(torch.cat([context[T - 1 : T], draft.ids]), num_logits=len(draft) + 1)  # 2. (k+1, V)
+            stats.target_forward_passes += 1
+            result = verify(draft.ids, draft.probs, logits, sampling, generator)  # 3.
+            target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
+            if proposer is not None:
+                proposer.observe(result)
+            stats.observe(len(draft), result.num_accepted)  # 5.
+
+    def stream_tokens(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        num_speculative_tokens: int = 4,
+        raw: bool = False,
+        speculative: bool = True,
+    ) -> Iterator[tuple[list[int], str, GenerationResult]]:
+        """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
+
+        The last item's result is final (its ``finish_reason`` is set). Arguments as in :meth:`generate`.
+        """
+        start = time.perf_counter()
+        sampling = sampling or SamplingParams()
+        k = _check_k(num_speculative_tokens)
+        proposer = self.proposer if speculative else None
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        prompt_ids = self.encode_prompt(prompt, raw=raw)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        stats = SpecStats(
+            num_speculative_tokens=k if proposer else 0,
+            proposer=proposer.name if proposer else "none",
+            dtype=self.dtype,
+            prompt_tokens=int(prompt_ids.shape[0]),
+        )
+        result = GenerationResult("", [], "length", stats)
+        text = StopStringStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
+        limit = min(sampling.max_new_tokens, self.target.max_length - prompt_ids.shape[0])
+        steps = self._steps(prompt_ids, sampling, k, proposer, stats, generator)
+        try:
+            for tokens in steps:
+                if not result.token_ids:
+                    stats.time_to_first_token_s = time.perf_counter() - start
+                new_ids, new_text, done = [], "", False
+                for token in tokens.tolist():
+                    new_ids.append(token)
+                    if text is not None:
+                        new_text += text.add(token)
+                    if token in self.eos_token_ids or (text is not None and text.stopped):
+                        result.finish_reason, done = "stop", True
+                    elif len(result.token_ids) + len(new_ids) >= limit:
+                        done = True
+                    if done:
+                        break
+                if done and text is not None:
+                    new_text += text.finish()
+                result.token_ids.extend(new_ids)
+                result.text += new_text
+                stats.new_tokens = len(result.token_ids)
+                stats.wall_time_s = time.perf_counter() - start
+                yield new_ids, new_text, result
+                if done:
+                    return
+        finally:
+            steps.close()
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        num_speculative_tokens: int = 4,
+        raw: bool = False,
+        speculative: bool = True,
+    ) -> GenerationResult:
+        """Generate a continuation of ``prompt``.
+
+        Args:
+            prompt: a string (chat template applied unless ``raw``) or a list of token ids.
+            sampling: :class:`SamplingParams` (default: greedy, 128 new tokens).
+            num_speculative_tokens: k, tokens drafted per step, in [1, 64].
+            raw: do not apply the chat template to a string prompt.
+            speculative: False decodes with the target alone (same loop, no proposer).
+
+        Returns:
+            :class:`GenerationResult`. Two calls with the same seed return the same result.
+
+        Raises:
+            ValueError: bad prompt or parameter (the message names it).
+        """
+        result = GenerationResult("", [], "length")
+        for _, _, result in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative):
+            pass
+        return result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        num_speculative_tokens: int = 4,
+        raw: bool = False,
+        speculative: bool = True,
+    ) -> Iterator[str]:
+        """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
+        for _, piece, _ in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative):
+            if piece:
+                yield piece

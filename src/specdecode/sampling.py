@@ -1,0 +1,101 @@
+"""Sampling parameters and the logits -> probabilities transform, as pure functions.
+
+Greedy decoding (``temperature == 0``) is its own exact path (argmax), never a low temperature.
+For sampling, the same transform is applied to the target's and the draft's logits, so that the
+rejection sampler compares like with like: temperature, then top-k, then top-p (nucleus), then
+softmax (the order of Hugging Face's ``TemperatureLogitsWarper`` / ``TopKLogitsWarper`` /
+``TopPLogitsWarper``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+        top_k: keep the k most likely tokens; 0 means off.
+        top_p: keep the smallest set of tokens whose probability reaches top_p; 1.0 means off.
+        seed: seed of the ``torch.Generator`` used for sampling (None: a fresh random seed).
+        max_new_tokens: at most this many new tokens.
+        stop: stop strings; generation ends when one appears, and the text ends before it.
+
+    Raises:
+        ValueError: a field outside its allowed range (the message names the field).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1.0 = off), got {self.top_p}")
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens!r}"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the sampling distribution: temperature, top-k, top-p, softmax.
+
+    Args:
+        logits: ``[..., V]`` float tensor (any float dtype; computed in float32).
+        params: sampling parameters; must not be greedy.
+
+    Returns:
+        ``[..., V]`` float32 probabilities, each row summing to 1, zero outside top-k / top-p.
+
+    Raises:
+        ValueError: ``params`` is greedy (greedy decoding uses ``argmax``, not probabilities).
+    """
+    if params.greedy:
+        raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
+    x = logits.float() / params.temperature  # (..., V)
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # (..., V)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of ``probs`` ``[..., V]``; returns int64 ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -1,0 +1,111 @@
+"""Decoding statistics with the field's definitions (DESIGN.md §4).
+
+- acceptance rate = accepted tokens / draft tokens
+- mean acceptance length = 1 + accepted tokens / drafts (tokens gained per target pass that
+  verified a draft, the recovered or bonus token included)
+- per-position acceptance at position i = steps whose i-th draft token was accepted / steps that
+  drafted a token at position i (vLLM's ``accepted per position`` counts, normalised)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecStats:
+    """Counters of one generation; derived rates are properties.
+
+    Attributes:
+        num_speculative_tokens: k, the most tokens proposed per step (0: no speculation).
+        proposer: the proposer's name, or ``"none"`` for target-only decoding.
+        dtype: the target's dtype, e.g. ``"bfloat16"``.
+        drafts: steps that proposed at least one token.
+        draft_tokens: tokens proposed in all.
+        accepted_tokens: proposed tokens the verifier kept.
+        accepted_per_position: length k; entry i counts steps whose draft token i was accepted.
+        drafted_per_position: length k; entry i counts steps that proposed a token at position i.
+        target_forward_passes: target forward calls, the prefill included.
+        new_tokens: tokens returned to the caller.
+        prompt_tokens: tokens of the prompt after templating.
+        wall_time_s: seconds from the start of ``generate`` to its last token.
+        time_to_first_token_s: seconds until the first new token was known.
+    """
+
+    num_speculative_tokens: int = 0
+    proposer: str = "none"
+    dtype: str = "float32"
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    target_forward_passes: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        self.accepted_per_position = self.accepted_per_position or [0] * k
+        self.drafted_per_position = self.drafted_per_position or [0] * k
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Record one verification step that drafted ``num_drafted`` and accepted ``num_accepted``.
+
+        Raises:
+            ValueError: ``num_accepted`` outside [0, num_drafted] or ``num_drafted`` > k.
+        """
+        if not 0 <= num_accepted <= num_drafted <= self.num_speculative_tokens:
+            raise ValueError(
+                f"need 0 <= num_accepted ({num_accepted}) <= num_drafted ({num_drafted}) <= k "
+                f"({self.num_speculative_tokens})"
+            )
+        if num_drafted == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """All counters and derived rates, JSON-ready."""
+        return {
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_rate_per_position": self.acceptance_rate_per_position,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "target_forward_passes": self.target_forward_passes,
+            "wall_time_s": self.wall_time_s,
+            "time_to_first_token_s": self.time_to_first_token_s,
+            "tokens_per_second": self.tokens_per_second,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "proposer": self.proposer,
+            "dtype": self.dtype,
+        }
