@@ -59,7 +59,7 @@ class GenerationResult:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, **self.stats.to_dict()}
 
 
-def _check_k(num_speculative_tokens: int) -> int:
+def check_num_speculative_tokens(num_speculative_tokens: int) -> int:
     if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(
             f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}"
@@ -129,12 +129,13 @@ class SpeculativeGenerator:
             ValueError: unknown dtype.
             IncompatibleModelsError: vocabularies differ.
         """
-        from specdecode.models.loading import load_model, load_tokenizer
+        from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
 
-        target_model, target_dir = load_model(target, "target", dtype)
-        draft_model = None
-        if draft is not None or use_default_draft:
-            draft_model, _ = load_model(draft, "draft", dtype)
+        parse_dtype(dtype)
+        target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
+        draft_dir = resolve_model_dir(draft, "draft") if draft is not None or use_default_draft else None
+        target_model = load_model(target_dir, "target", dtype)
+        draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
         return cls(target_model, draft_model, tokenizer=load_tokenizer(target_dir))
 
     @staticmethod
@@ -201,7 +202,9 @@ class SpeculativeGenerator:
         context = torch.empty(T + sampling.max_new_tokens + k + 1, dtype=torch.int64)  # preallocated
         context[:T] = prompt_ids
 
+        tic = time.perf_counter()
         logits = target.forward(prompt_ids, num_logits=1)  # (1, V): prefill
+        stats.prefill_time_s += time.perf_counter() - tic
         stats.target_forward_passes += 1
         result = verify(DraftTokens.empty().ids, None, logits, sampling, generator)
         while True:
@@ -211,8 +214,12 @@ class SpeculativeGenerator:
             # context[:T] is known; the target has cached context[:T - 1].
             room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
             k_step = min(k, room) if proposer is not None else 0
+            tic = time.perf_counter()
             draft = proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()  # 1.
+            toc = time.perf_counter()
             logits = target.forward(torch.cat([context[T - 1 : T], draft.ids]), num_logits=len(draft) + 1)  # 2. (k+1, V)
+            stats.draft_time_s += toc - tic
+            stats.target_time_s += time.perf_counter() - toc
             stats.target_forward_passes += 1
             result = verify(draft.ids, draft.probs, logits, sampling, generator)  # 3.
             target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
@@ -234,7 +241,7 @@ class SpeculativeGenerator:
         """
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
-        k = _check_k(num_speculative_tokens)
+        k = check_num_speculative_tokens(num_speculative_tokens)
         proposer = self.proposer if speculative else None
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")

@@ -31,6 +31,9 @@ class SpecStats:
         prompt_tokens: tokens of the prompt after templating.
         wall_time_s: seconds from the start of ``generate`` to its last token.
         time_to_first_token_s: seconds until the first new token was known.
+        prefill_time_s: seconds in the target's prefill pass.
+        draft_time_s: seconds in ``proposer.propose`` (all steps).
+        target_time_s: seconds in the target's verification passes (prefill excluded).
     """
 
     num_speculative_tokens: int = 0
@@ -46,6 +49,9 @@ class SpecStats:
     prompt_tokens: int = 0
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -88,6 +94,14 @@ class SpecStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
+    @property
+    def draft_cost_ratio(self) -> float:
+        """c = (draft time per drafted token) / (target time per verification pass); 0 without drafts."""
+        passes = self.target_forward_passes - 1  # the prefill is not a verification pass
+        if not self.draft_tokens or passes <= 0 or self.target_time_s <= 0:
+            return 0.0
+        return (self.draft_time_s / self.draft_tokens) / (self.target_time_s / passes)
+
     def to_dict(self) -> dict[str, Any]:
         """All counters and derived rates, JSON-ready."""
         return {
@@ -104,6 +118,10 @@ class SpecStats:
             "target_forward_passes": self.target_forward_passes,
             "wall_time_s": self.wall_time_s,
             "time_to_first_token_s": self.time_to_first_token_s,
+            "prefill_time_s": self.prefill_time_s,
+            "draft_time_s": self.draft_time_s,
+            "target_time_s": self.target_time_s,
+            "draft_cost_ratio": self.draft_cost_ratio,
             "tokens_per_second": self.tokens_per_second,
             "num_speculative_tokens": self.num_speculative_tokens,
             "proposer": self.proposer,

@@ -52,16 +52,15 @@ def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
     return path
 
 
-def load_model(spec: str | Path | None, role: str, dtype: str | torch.dtype = "bfloat16") -> tuple[PreTrainedModel, Path]:
-    """Load a causal LM in ``dtype`` for inference; returns ``(model, its folder)``.
+def load_model(spec: str | Path | None, role: str, dtype: str | torch.dtype = "bfloat16") -> PreTrainedModel:
+    """Load a causal LM in ``dtype`` for inference (``spec`` as in :func:`resolve_model_dir`).
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
     """
     torch_dtype = parse_dtype(dtype)
-    model_dir = resolve_model_dir(spec, role)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-    return model.eval(), model_dir
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
+    return model.eval()
 
 
 def load_tokenizer(model_dir: Path) -> Any:

@@ -1,0 +1,137 @@
+"""Command line: ``specdecode generate | prepare | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_K = 4
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--target --draft --dtype``, shared by every command that loads models."""
+    p.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
+    p.add_argument("--draft", help="draft: HF model folder or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, help=f"tokens drafted per step (default {DEFAULT_K})")
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    from specdecode.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(getattr(args, "stop", None) or ()),
+    )
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """A readable table of the decoding statistics on stderr."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decoding statistics", show_header=False)
+    for key, value in stats.items():
+        if key in ("text", "token_ids"):
+            continue
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, list):
+            value = ", ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
+        table.add_row(key, str(value))
+    Console(stderr=True).print(table)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.engine import SpeculativeGenerator
+
+    from specdecode.engine import check_num_speculative_tokens
+
+    sampling = sampling_from_args(args)  # validate cheap input before loading anything
+    check_num_speculative_tokens(args.num_speculative_tokens)
+    if not args.prompt:
+        raise ValueError("prompt must not be empty")
+    generator = SpeculativeGenerator.from_pretrained(
+        target=args.target, draft=args.draft, dtype=args.dtype, use_default_draft=not args.no_speculation
+    )
+    call = dict(sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw)
+    speculative = not args.no_speculation
+    if args.json:
+        result = generator.generate(args.prompt, speculative=speculative, **call)
+    else:
+        for _, piece, result in generator.stream_tokens(args.prompt, speculative=speculative, **call):
+            print(piece, end="", flush=True)
+        print()
+    out = result.to_dict()
+    if args.compare:
+        baseline = generator.generate(args.prompt, speculative=False, **call)
+        out["baseline_tokens_per_second"] = baseline.stats.tokens_per_second
+        out["speedup"] = baseline.stats.wall_time_s / result.stats.wall_time_s
+        out["identical"] = baseline.token_ids == result.token_ids
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_stats(out)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from specdecode.models.default import ensure_default_model
+
+    for role in ("target", "draft"):
+        print(f"{role}: {ensure_default_model(role)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming, with statistics")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_sampling_args(g, max_new_tokens=256)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")
+    g.add_argument("--compare", action="store_true", help="also run the target alone; report speedup and identity")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("prepare", help="join, verify and convert the default models into the cache")
+    p.set_defaults(func=cmd_prepare)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (SpecDecodeError, ValueError, FileNotFoundError) as error:
+        print(f"specdecode {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
