@@ -23,7 +23,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_model(vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 2, init: float = 0.2) -> Qwen2ForCausalLM:
+def make_tiny_model(
+    vocab_size: int = TINY_VOCAB, seed: int = 0, layers: int = 2, init: float = 0.2
+) -> Qwen2ForCausalLM:
     """A 2-layer Qwen2 with random weights, float32, eval mode. ``init`` is the weights' std:
     larger than the usual 0.02 so that logits have clear maxima (no near-ties in the argmax)."""
     config = Qwen2Config(

@@ -17,7 +17,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--target --draft --dtype``, shared by every command that loads models."""
     p.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
     p.add_argument("--draft", help="draft: HF model folder or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -26,7 +28,13 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, help=f"tokens drafted per step (default {DEFAULT_K})")
+    p.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=DEFAULT_K,
+        help=f"tokens drafted per step (default {DEFAULT_K})",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> Any:
@@ -60,9 +68,7 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.engine import SpeculativeGenerator
-
-    from specdecode.engine import check_num_speculative_tokens
+    from specdecode.engine import SpeculativeGenerator, check_num_speculative_tokens
 
     sampling = sampling_from_args(args)  # validate cheap input before loading anything
     check_num_speculative_tokens(args.num_speculative_tokens)
@@ -117,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="join, verify and convert the default models into the cache")
     p.set_defaults(func=cmd_prepare)
+
+    from specdecode.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     return parser
 

@@ -56,15 +56,23 @@ class GenerationResult:
     stats: SpecStats = field(default_factory=SpecStats)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, **self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            **self.stats.to_dict(),
+        }
 
 
-def check_num_speculative_tokens(num_speculative_tokens: int) -> int:
-    if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(
-            f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}"
-        )
-    return num_speculative_tokens
+def check_num_speculative_tokens(k: int) -> int:
+    """Return ``k`` if it is a valid number of speculative tokens.
+
+    Raises:
+        ValueError: ``k`` is not an integer in [1, MAX_SPECULATIVE_TOKENS].
+    """
+    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    return k
 
 
 class SpeculativeGenerator:
@@ -215,9 +223,13 @@ class SpeculativeGenerator:
             room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
             k_step = min(k, room) if proposer is not None else 0
             tic = time.perf_counter()
-            draft = proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()  # 1.
+            draft = (
+                proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()
+            )  # 1.
             toc = time.perf_counter()
-            logits = target.forward(torch.cat([context[T - 1 : T], draft.ids]), num_logits=len(draft) + 1)  # 2. (k+1, V)
+            logits = target.forward(
+                torch.cat([context[T - 1 : T], draft.ids]), num_logits=len(draft) + 1
+            )  # 2. (k+1, V)
             stats.draft_time_s += toc - tic
             stats.target_time_s += time.perf_counter() - toc
             stats.target_forward_passes += 1

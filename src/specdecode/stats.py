@@ -88,7 +88,7 @@ class SpecStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
 
     @property
     def tokens_per_second(self) -> float:

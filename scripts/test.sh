@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (idempotent), lint, and run every test, the slow real-model test included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1
+.venv/bin/ruff check src tests benchmarks
+exec .venv/bin/pytest -q "$@"

@@ -1,0 +1,131 @@
+"""``specdecode generate`` on tiny models saved to a folder, with a chat template and stop strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.cli import main
+
+from conftest import make_tiny_model, perturbed_copy
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    draft = perturbed_copy(target, noise=0.01)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tiny_tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--json", "--dtype", "float32"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_compare(model_dirs, capsys) -> None:
+    target, draft = model_dirs
+    out = run_json(
+        capsys,
+        "def add(a, b):",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--max-new-tokens",
+        "20",
+        "-k",
+        "3",
+        "--compare",
+    )
+    for key in (
+        "text",
+        "token_ids",
+        "new_tokens",
+        "drafts",
+        "draft_tokens",
+        "accepted_tokens",
+        "accepted_per_position",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "target_forward_passes",
+        "wall_time_s",
+        "tokens_per_second",
+        "num_speculative_tokens",
+        "proposer",
+        "dtype",
+        "baseline_tokens_per_second",
+        "speedup",
+        "identical",
+    ):
+        assert key in out, key
+    assert out["identical"] is True
+    assert out["new_tokens"] == len(out["token_ids"]) == 20
+    assert len(out["accepted_per_position"]) == 3
+    assert out["proposer"] == "draft_model" and out["dtype"] == "float32"
+
+
+def test_generate_streams_text_and_stats(model_dirs, capsys) -> None:
+    target, draft = model_dirs
+    assert (
+        main(
+            [
+                "generate",
+                "for i in",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--max-new-tokens",
+                "12",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "mean_acceptance_length" in captured.err
+
+
+def test_no_speculation_and_raw(model_dirs, capsys) -> None:
+    target, _ = model_dirs
+    out = run_json(capsys, "def", "--target", str(target), "--no-speculation", "--raw", "--max-new-tokens", "5")
+    assert out["proposer"] == "none" and out["drafts"] == 0 and out["new_tokens"] == 5
+
+
+def test_stop_string_from_the_cli(model_dirs, capsys) -> None:
+    target, draft = model_dirs
+    full = run_json(capsys, "class", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "30")
+    text = full["text"]
+    assert len(text) > 6
+    stop = text[3:6]
+    out = run_json(
+        capsys, "class", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "30", "--stop", stop
+    )
+    assert out["text"] == text[: text.find(stop)] and out["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["-k", "0"], "num_speculative_tokens"),
+        (["--draft", "/no/such/model"], "--draft"),
+    ],
+)
+def test_cli_errors_name_the_parameter(model_dirs, capsys, args: list[str], message: str) -> None:
+    target, _ = model_dirs
+    assert main(["generate", "hi", "--target", str(target), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_an_empty_prompt(capsys) -> None:
+    assert main(["generate", ""]) == 2
+    assert "prompt" in capsys.readouterr().err

@@ -1,0 +1,33 @@
+"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), installed by scripts/test.sh.
+
+Skipped, with the reason, when the model packages are not installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.errors import ModelNotFoundError
+from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real_pair() -> SpeculativeGenerator:
+    try:
+        part_paths(DEFAULT_TARGET), part_paths(DEFAULT_DRAFT)
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")
+    return SpeculativeGenerator.from_pretrained(dtype="float32")
+
+
+def test_real_pair_greedy_float32_equals_target_only(real_pair: SpeculativeGenerator) -> None:
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    sampling = SamplingParams(max_new_tokens=24)
+    baseline = real_pair.generate(prompt, sampling, speculative=False)
+    result = real_pair.generate(prompt, sampling, num_speculative_tokens=4)
+    assert result.token_ids == baseline.token_ids
+    assert len(result.token_ids) == 24
+    assert result.stats.acceptance_rate > 0.3  # the 0.5B draft does agree with the 1.5B target
+    assert "def" in result.text
