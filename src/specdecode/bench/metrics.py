@@ -1,0 +1,178 @@
+"""Benchmark metrics: pure aggregation of per-turn records (no models, no clocks).
+
+A record is one turn of one prompt decoded by one method (``results.json``, ``records``): keys
+``question_id``, ``group``, ``turn``, ``repeat``, ``method``, ``settings``, ``new_tokens``,
+``wall_time_s``, ``token_ids`` and ``stats`` (a :meth:`SpecStats.to_dict`, None for a peer).
+Every metric is computed per method and per category group, and over all groups (``"all"``);
+sums run over the records of that method and group. Terms as in DESIGN.md §4.
+
+- ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
+- ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).
+- ``tokens_per_s``: Σ new tokens / Σ wall time (tokens per second).
+- ``mean_acceptance_length``: 1 + Σ accepted tokens / Σ drafts (tokens gained per target pass
+  that verified a draft, bonus or recovered token included).
+- ``acceptance_rate`` (α): Σ accepted tokens / Σ draft tokens.
+- ``acceptance_per_position``: at draft position i, Σ steps whose i-th token was accepted /
+  Σ steps that drafted an i-th token.
+- ``target_passes_per_token``: Σ target forward passes (prefill included) / Σ new tokens.
+- ``cost_per_token_ms``: (Σ draft time + Σ verification time) / Σ tokens gained after the
+  prefill (new tokens - 1 per turn), in milliseconds; for ``target`` the time per decoded token.
+- ``draft_cost_ratio`` (c): (Σ draft time / Σ draft tokens) / (Σ verification time / Σ
+  verification passes), the aggregate of :attr:`SpecStats.draft_cost_ratio`.
+- ``predicted_speedup``: Leviathan et al. (2023, eq. for walltime improvement) from the measured α,
+  k and c: ``(1 - α^(k+1)) / ((1 - α)(k c + 1))`` (``(k + 1) / (k c + 1)`` at α = 1).
+- ``efficiency``: ``speedup / predicted_speedup`` (below 1: overheads the model does not count).
+- ``exact``: greedy only, the share of prompts whose token ids equal ``target``'s at every turn and
+  repeat. Sampled runs leave it None: their exactness is distributional, covered by the tests.
+
+Metrics a method cannot have are None: peers have no statistics (only wall time, tokens/s and
+exactness); ``target`` drafts nothing (no acceptance, c or prediction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+Record = dict[str, Any]
+BASELINE = "target"
+ALL = "all"
+
+
+def _turn_key(record: Record) -> tuple[str, int, int]:
+    return str(record["question_id"]), int(record["turn"]), int(record.get("repeat", 0))
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def predicted_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected walltime improvement ``(1 - α^(k+1)) / ((1 - α)(k c + 1))``.
+
+    Args:
+        alpha: per-token acceptance rate in [0, 1].
+        k: tokens drafted per step.
+        c: draft cost ratio (draft time per token / target time per pass), >= 0.
+    """
+    expected_tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return expected_tokens / (k * c + 1.0)
+
+
+def speedups(records: Sequence[Record], baseline: Sequence[Record]) -> tuple[float | None, float | None]:
+    """``(speedup, speedup_mean)`` of ``records`` over ``baseline`` (ratios of seconds; see module doc).
+
+    Only turns present in both count. None when nothing matches.
+    """
+    base = {_turn_key(r): float(r["wall_time_s"]) for r in baseline}
+    per_prompt: dict[str, list[float]] = {}
+    for r in records:
+        if _turn_key(r) in base:
+            sums = per_prompt.setdefault(_turn_key(r)[0], [0.0, 0.0])
+            sums[0] += base[_turn_key(r)]
+            sums[1] += float(r["wall_time_s"])
+    if not per_prompt:
+        return None, None
+    total = _ratio(sum(s[0] for s in per_prompt.values()), sum(s[1] for s in per_prompt.values()))
+    ratios = [s[0] / s[1] for s in per_prompt.values() if s[1] > 0]
+    return total, (sum(ratios) / len(ratios) if ratios else None)
+
+
+def exactness(records: Sequence[Record], baseline: Sequence[Record]) -> float | None:
+    """Share of prompts whose token ids equal the baseline's at every turn and repeat both ran
+    (None when no prompt matches)."""
+    base = {_turn_key(r): list(r["token_ids"]) for r in baseline}
+    exact: dict[str, bool] = {}
+    for r in records:
+        key = _turn_key(r)
+        if key in base:
+            exact[key[0]] = exact.get(key[0], True) and list(r["token_ids"]) == base[key]
+    return sum(exact.values()) / len(exact) if exact else None
+
+
+def _sum(stats: Iterable[dict[str, Any]], key: str) -> float:
+    return sum(float(s[key]) for s in stats)
+
+
+def _per_position(stats: Sequence[dict[str, Any]]) -> list[float] | None:
+    width = max((len(s["drafted_per_position"]) for s in stats), default=0)
+    accepted, drafted = [0] * width, [0] * width
+    for s in stats:
+        for i, (a, d) in enumerate(zip(s["accepted_per_position"], s["drafted_per_position"], strict=True)):
+            accepted[i] += a
+            drafted[i] += d
+    rates = [a / d for a, d in zip(accepted, drafted, strict=True) if d > 0]
+    return rates or None
+
+
+def stats_metrics(stats: Sequence[dict[str, Any]], k: int | None) -> dict[str, Any]:
+    """Metrics from our engine's statistics (``SpecStats.to_dict()`` of each turn; see module doc).
+
+    Args:
+        stats: one dict per turn; empty for a peer (every metric None).
+        k: the method's ``num_speculative_tokens``, or None for ``target``.
+    """
+    out: dict[str, Any] = dict.fromkeys(
+        ["mean_acceptance_length", "acceptance_rate", "acceptance_per_position", "target_passes_per_token",
+         "cost_per_token_ms", "draft_cost_ratio", "predicted_speedup"]
+    )  # fmt: skip
+    if not stats:
+        return out
+    new_tokens, passes = _sum(stats, "new_tokens"), _sum(stats, "target_forward_passes")
+    gained = sum(max(int(s["new_tokens"]) - 1, 0) for s in stats)
+    busy = _sum(stats, "draft_time_s") + _sum(stats, "target_time_s")
+    out["target_passes_per_token"] = _ratio(passes, new_tokens)
+    out["cost_per_token_ms"] = None if gained == 0 else 1e3 * busy / gained
+    draft_tokens, drafts = _sum(stats, "draft_tokens"), _sum(stats, "drafts")
+    if draft_tokens == 0:
+        return out
+    alpha = _sum(stats, "accepted_tokens") / draft_tokens
+    out["acceptance_rate"] = alpha
+    out["mean_acceptance_length"] = 1.0 + _sum(stats, "accepted_tokens") / drafts
+    out["acceptance_per_position"] = _per_position(stats)
+    per_pass = _ratio(_sum(stats, "target_time_s"), passes - len(stats))  # prefills are not verification
+    draft_per_token = _sum(stats, "draft_time_s") / draft_tokens
+    c = draft_per_token / per_pass if per_pass else None
+    out["draft_cost_ratio"] = c
+    if c is not None and k is not None:
+        out["predicted_speedup"] = predicted_speedup(alpha, k, c)
+    return out
+
+
+def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy: bool) -> dict[str, Any]:
+    """Every metric of one method in one group (see module doc); ``baseline`` is ``target``'s records."""
+    wall = sum(float(r["wall_time_s"]) for r in records)
+    new_tokens = sum(int(r["new_tokens"]) for r in records)
+    speedup, speedup_mean = speedups(records, baseline)
+    has_stats = bool(records) and all(r.get("stats") is not None for r in records)
+    k = records[0]["settings"].get("num_speculative_tokens") if records else None
+    out: dict[str, Any] = {
+        "prompts": len({str(r["question_id"]) for r in records}),
+        "turns": len(records),
+        "new_tokens": new_tokens,
+        "wall_time_s": wall,
+        "tokens_per_s": _ratio(new_tokens, wall),
+        "speedup": speedup,
+        "speedup_mean": speedup_mean,
+        **stats_metrics([r["stats"] for r in records] if has_stats else [], k),
+        "exact": exactness(records, baseline) if greedy else None,
+    }
+    out["efficiency"] = _ratio(speedup, out["predicted_speedup"]) if speedup and out["predicted_speedup"] else None
+    return out
+
+
+def summarize(records: Sequence[Record], methods: Sequence[str], greedy: bool) -> dict[str, dict[str, Any]]:
+    """``{method: {group: metrics}}`` for every method and group with records, plus ``"all"``."""
+    groups = list(dict.fromkeys(r["group"] for r in records))
+    summary: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        mine = [r for r in records if r["method"] == method]
+        if not mine:
+            continue
+        summary[method] = {}
+        for group in [*groups, ALL]:
+            in_group = [r for r in mine if group in (ALL, r["group"])]
+            baseline = [r for r in records if r["method"] == BASELINE and group in (ALL, r["group"])]
+            if in_group:
+                summary[method][group] = method_metrics(in_group, baseline, greedy)
+    return summary

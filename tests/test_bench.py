@@ -1,0 +1,218 @@
+"""``specdecode bench`` on tiny random models: end to end, metrics by hand, exactness, skipped peers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specdecode.bench import metrics
+from specdecode.bench.methods import METHODS, BenchModels, BenchSettings, Method, MethodOutput, expand
+from specdecode.bench.prompts import load_prompts, load_spec_bench, select, take_per_group
+from specdecode.bench.report import ACCEPTANCE_PNG, SPEEDUP_PNG, load_results, render
+from specdecode.bench.runner import run_bench, save_results
+from specdecode.cli import main
+from specdecode.stats import SpecStats
+
+from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+QUESTIONS = [
+    {"question_id": 1, "category": "coding", "turns": ["def add(a, b):", "Now for three numbers."]},
+    {"question_id": 2, "category": "qa", "turns": ["The quick brown fox?"]},
+]
+SETTINGS = BenchSettings(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def models() -> BenchModels:
+    tokenizer = make_tiny_tokenizer(vocab_size=300)
+    target = make_tiny_model(vocab_size=len(tokenizer), seed=0)
+    return BenchModels(target, perturbed_copy(target, noise=0.01), tokenizer)
+
+
+@pytest.fixture()
+def questions(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return path
+
+
+def run(models, questions, names, ks=(3,)):
+    prompts = load_prompts(questions, "mt_bench,qa", None)
+    return run_bench(models, prompts, expand(names, ks), SETTINGS, progress=False)
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_end_to_end_results_table_plots_and_report(models, questions, tmp_path, capsys):
+    results = run(models, questions, ["target", "draft_model"])
+    results["settings"] = {"max_new_tokens": SETTINGS.max_new_tokens}
+    path = save_results(results, tmp_path / "out")
+    text = render(load_results(path), tmp_path / "out")
+
+    saved = json.loads(path.read_text())
+    assert saved["methods"] == ["target", "draft_model[k=3]"] and saved["skipped"] == {}
+    assert len(saved["records"]) == 2 * 3  # 2 methods x (2 + 1 turns)
+    keys = {"question_id", "group", "turn", "method", "settings", "new_tokens", "wall_time_s", "stats", "token_ids"}
+    for r in saved["records"]:
+        assert keys <= set(r) and r["settings"]["max_new_tokens"] == SETTINGS.max_new_tokens
+        assert r["new_tokens"] == len(r["token_ids"]) > 0 and r["wall_time_s"] > 0
+        assert r["stats"]["target_forward_passes"] >= 1
+    assert {(r["group"], r["turn"]) for r in saved["records"]} == {("mt_bench", 0), ("mt_bench", 1), ("qa", 0)}
+    assert "| method | mt_bench | qa | all |" in text and "draft_model[k=3]" in text
+    for png in (SPEEDUP_PNG, ACCEPTANCE_PNG):
+        assert (tmp_path / "out" / png).stat().st_size > 1000
+    summary = metrics.summarize(saved["records"], saved["methods"], greedy=True)
+    assert summary["draft_model[k=3]"]["all"]["exact"] == 1.0  # lossless under greedy decoding
+    assert summary["target"]["all"]["speedup"] == 1.0
+
+    assert main(["bench", "--report", str(path), "--out", str(tmp_path / "again")]) == 0
+    assert "| method | mt_bench | qa | all |" in capsys.readouterr().out
+    assert (tmp_path / "again" / SPEEDUP_PNG).exists() and (tmp_path / "again" / ACCEPTANCE_PNG).exists()
+
+
+def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys):
+    target_dir, draft_dir, out = tmp_path / "target", tmp_path / "draft", tmp_path / "out"
+    models.target.save_pretrained(target_dir)
+    models.tokenizer.save_pretrained(target_dir)
+    models.draft.save_pretrained(draft_dir)
+    argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32", "--questions",
+            str(questions), "--categories", "coding,qa", "-k", "2,3", "--max-new-tokens", "8", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    saved = json.loads((out / "results.json").read_text())
+    labels = ["target", "draft_model[k=2]", "draft_model[k=3]", "hf_generate", "hf_assisted",
+              "hf_prompt_lookup[k=2]", "hf_prompt_lookup[k=3]"]  # fmt: skip
+    assert saved["methods"] == labels and saved["skipped"] == {}
+    assert {r["group"] for r in saved["records"]} == {"coding", "qa"}  # a category selector names its column
+    assert saved["environment"]["torch"] and saved["settings"]["num_speculative_tokens"] == [2, 3]
+    for label in labels:
+        assert label in stdout
+    summary = metrics.summarize(saved["records"], saved["methods"], greedy=True)
+    for label in labels:
+        assert summary[label]["all"]["exact"] == 1.0, label  # greedy: every method reproduces the target
+    assert summary["hf_generate"]["all"]["mean_acceptance_length"] is None  # peers have no statistics
+
+
+def test_sampled_run_reports_distributional_exactness(models, questions, tmp_path):
+    prompts = load_prompts(questions, "qa", None)
+    variants = expand(["target", "draft_model", "hf_generate", "hf_assisted"], [2])
+    results = run_bench(models, prompts, variants, BenchSettings(temperature=0.8, max_new_tokens=6), progress=False)
+    assert results["greedy"] is False and results["skipped"] == {}
+    summary = metrics.summarize(results["records"], results["methods"], greedy=False)
+    assert all(by_group["all"]["exact"] is None for by_group in summary.values())
+    assert "exactness is distributional" in render(results, tmp_path)
+
+
+def test_quick_fills_only_unset_options():
+    from specdecode.bench.cli import _options
+    from specdecode.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "32"])
+    quick = {"max_new_tokens": 32, "prompts_per_category": 1, "methods": "target,draft_model,hf_assisted"}
+    assert _options(args) == quick
+    assert _options(build_parser().parse_args(["bench"]))["max_new_tokens"] == 128
+    with pytest.raises(ValueError, match="temperature"):
+        BenchSettings(temperature=-1.0)
+
+
+# ----------------------------------------------------------------------------- metrics by hand
+def record(method, qid, wall, token_ids=(1, 2), stats=None, k=None, turn=0, group="qa"):
+    return {"question_id": qid, "group": group, "turn": turn, "repeat": 0, "method": method, "wall_time_s": wall,
+            "new_tokens": len(token_ids), "token_ids": list(token_ids), "stats": stats,
+            "settings": {"num_speculative_tokens": k}}  # fmt: skip
+
+
+def test_metrics_from_hand_made_steps():
+    stats = SpecStats(num_speculative_tokens=3)
+    for accepted in (2, 0, 3):
+        stats.observe(3, accepted)
+    stats.new_tokens, stats.target_forward_passes = 9, 4  # prefill + 3 verification passes
+    stats.draft_time_s, stats.target_time_s = 0.9, 3.0  # 0.1 s per draft token, 1 s per pass
+    out = metrics.stats_metrics([stats.to_dict()], k=3)
+    assert out["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
+    assert out["acceptance_per_position"] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert out["acceptance_rate"] == pytest.approx(5 / 9)
+    assert out["target_passes_per_token"] == pytest.approx(4 / 9)
+    assert out["cost_per_token_ms"] == pytest.approx(1e3 * 3.9 / 8)
+    assert out["draft_cost_ratio"] == pytest.approx(0.1)
+    a = 5 / 9
+    assert out["predicted_speedup"] == pytest.approx((1 - a**4) / ((1 - a) * (3 * 0.1 + 1)))
+    assert metrics.predicted_speedup(1.0, 4, 0.0) == 5.0
+    assert metrics.predicted_speedup(0.0, 4, 0.25) == 0.5
+
+
+def test_speedup_sum_and_mean_of_ratios():
+    base = [record("target", 1, 4.0), record("target", 2, 1.0)]
+    mine = [record("m", 1, 1.0), record("m", 2, 1.0)]
+    total, mean = metrics.speedups(mine, base)
+    assert total == pytest.approx(5 / 2) and mean == pytest.approx((4 + 1) / 2)
+    stats = SpecStats(num_speculative_tokens=2)
+    stats.observe(2, 2)
+    stats.new_tokens, stats.target_forward_passes, stats.draft_time_s, stats.target_time_s = 3, 2, 0.0, 1.0
+    mine = [record("m", 1, 2.0, stats=stats.to_dict(), k=2), record("m", 2, 0.5, stats=stats.to_dict(), k=2)]
+    summary = metrics.summarize(base + mine, ["target", "m"], greedy=True)["m"]
+    assert summary["all"]["speedup"] == pytest.approx(2.0)
+    assert summary["all"]["predicted_speedup"] == pytest.approx(3.0)  # alpha = 1, c = 0: k + 1
+    assert summary["all"]["efficiency"] == pytest.approx(2 / 3)
+    assert summary["all"]["tokens_per_s"] == pytest.approx(4 / 2.5)  # 2 tokens per record
+    assert metrics.summarize(base + mine, ["target", "m"], greedy=False)["m"]["all"]["exact"] is None
+
+
+# ----------------------------------------------------------------------------- exactness, skipped peers
+def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
+    def wrong(models, prompt_ids, settings, k):
+        return MethodOutput([5] * settings.max_new_tokens, 0.01)
+
+    monkeypatch.setitem(METHODS, "wrong", Method("wrong", wrong, peer=True))
+    results = run(models, questions, ["target", "wrong"])
+    summary = metrics.summarize(results["records"], results["methods"], greedy=True)
+    assert summary["wrong"]["all"]["exact"] == 0.0
+
+
+def test_peer_that_raises_is_skipped_with_reason(models, questions, monkeypatch, capsys, tmp_path):
+    def broken(models, prompt_ids, settings, k):
+        raise RuntimeError("no such feature")
+
+    monkeypatch.setitem(METHODS, "broken", Method("broken", broken, peer=True))
+    no_draft = BenchModels(models.target, None, models.tokenizer)  # hf_assisted fails: no draft
+    prompts = load_prompts(questions, "qa", None)
+    results = run_bench(no_draft, prompts, expand(["target", "broken", "hf_assisted"], [3]), SETTINGS, progress=False)
+    assert "RuntimeError" in results["skipped"]["broken"] and "no such feature" in results["skipped"]["broken"]
+    assert "draft" in results["skipped"]["hf_assisted"]
+    assert {r["method"] for r in results["records"]} == {"target"}
+    text = render(results, tmp_path)
+    assert "skipped `broken`" in text and "no such feature" in text
+
+
+def test_our_method_errors_propagate(models, questions, monkeypatch):
+    def bug(models, prompt_ids, settings, k):
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setitem(METHODS, "bug", Method("bug", bug))
+    with pytest.raises(RuntimeError, match="engine bug"):
+        run(models, questions, ["target", "bug"])
+
+
+# ----------------------------------------------------------------------------- prompts
+def test_prompt_selection_and_grouping(questions):
+    prompts = load_spec_bench(questions)
+    assert [p.group for p in prompts] == ["mt_bench", "qa"]
+    assert [p.group for p in select(prompts, ["coding"])] == ["coding"]
+    many = [p for p in load_spec_bench(questions) for _ in range(2)]
+    assert len(take_per_group(many, 1)) == 2
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_prompts(questions, "poetry", None)
+
+
+def test_humaneval_prompts():
+    prompts = load_prompts(None, "humaneval", 2)
+    assert len(prompts) == 2 and prompts[0].question_id == "HumanEval/0"
+    assert prompts[0].turns[0].startswith("Complete the following Python function:\n```python\n")
+
+
+def test_default_questions_file_groups():
+    prompts = load_prompts(None, "mt_bench,translation", 8)
+    assert math.isclose(len(prompts), 16)
+    assert len({p.category for p in prompts if p.group == "mt_bench"}) == 8  # round-robin over MT-bench categories
