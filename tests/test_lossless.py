@@ -13,18 +13,10 @@ from specdecode.models.runner import ModelRunner
 from specdecode.sampling import logits_to_probs
 
 from conftest import make_tiny_model, perturbed_copy
+from reference import exact_marginals, target_only_greedy
 from stat_checks import P_MIN, chi_square_p
 
 PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42], [7]]
-
-
-def target_only_greedy(target, prompt: list[int], n: int) -> list[int]:
-    """Plain greedy decoding written independently of the engine: full forward, no cache."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("draft_name", ["identical", "unrelated", "perturbed"])
@@ -129,26 +121,6 @@ def test_same_seed_same_answer_no_state_leak(tiny_pair) -> None:
 # ---------------------------------------------------------------- sampled distribution
 V_SMALL = 12
 SAMPLING = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, max_new_tokens=3)
-
-
-def exact_marginals(target, prompt: list[int], positions: int, sampling: SamplingParams) -> list[torch.Tensor]:
-    """Exact distribution of each of the first ``positions`` tokens of target-only sampling,
-    by enumerating every prefix (V^(positions-1) sequences, batched)."""
-    marginals = []
-    prefixes = [((), 1.0)]
-    with torch.no_grad():
-        for _ in range(positions):
-            batch = torch.tensor([prompt + list(t) for t, _ in prefixes])
-            probs = logits_to_probs(target(batch).logits[:, -1].double(), sampling).double()  # (B, V)
-            weights = torch.tensor([w for _, w in prefixes], dtype=torch.float64)
-            marginals.append((weights[:, None] * probs).sum(0))
-            prefixes = [
-                (t + (v,), w * float(probs[b, v]))
-                for b, (t, w) in enumerate(prefixes)
-                for v in range(probs.shape[1])
-                if probs[b, v] > 0
-            ]
-    return marginals
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,27 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     )
 
 
+def add_proposer_args(p: argparse.ArgumentParser) -> None:
+    """``--proposer`` and every proposer's own options."""
+    from specdecode.proposers import PROPOSERS
+
+    p.add_argument("--proposer", default="draft_model", choices=sorted(PROPOSERS), help="default: draft_model")
+    p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram looked up (default 3)")
+    p.add_argument("--min-ngram", type=int, default=None, help="prompt_lookup: shortest n-gram (default 1)")
+
+
+def proposer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line for the chosen proposer.
+
+    Raises:
+        ValueError: an option that belongs to another proposer.
+    """
+    given = {k: v for k in ("max_ngram", "min_ngram") if (v := getattr(args, k, None)) is not None}
+    if given and args.proposer != "prompt_lookup":
+        raise ValueError(f"--{next(iter(given)).replace('_', '-')} is an option of --proposer prompt_lookup")
+    return given
+
+
 def sampling_from_args(args: argparse.Namespace) -> Any:
     from specdecode.sampling import SamplingParams
 
@@ -74,8 +95,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_num_speculative_tokens(args.num_speculative_tokens)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
+    if not args.no_speculation:
+        from specdecode.proposers import make_proposer
+
+        if args.proposer == "prompt_lookup":  # model-free: build once to validate its options early
+            make_proposer(args.proposer, **proposer_options(args))
     generator = SpeculativeGenerator.from_pretrained(
-        target=args.target, draft=args.draft, dtype=args.dtype, use_default_draft=not args.no_speculation
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        proposer=None if args.no_speculation else args.proposer,
+        **proposer_options(args),
     )
     call = dict(sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw)
     speculative = not args.no_speculation
@@ -114,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     add_model_args(g)
     add_sampling_args(g, max_new_tokens=256)
+    add_proposer_args(g)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")

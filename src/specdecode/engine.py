@@ -120,31 +120,39 @@ class SpeculativeGenerator:
         target: str | Path | None = None,
         draft: str | Path | None = None,
         dtype: str | torch.dtype = "bfloat16",
-        use_default_draft: bool = True,
+        proposer: str | None = "draft_model",
+        **proposer_options: Any,
     ) -> SpeculativeGenerator:
-        """Load target and draft from local paths (HF model folders or ``.gguf`` files).
+        """Load the target (and the draft, if the proposer needs one) from local paths.
 
         Args:
-            target: path, or None for the default target (Qwen2.5-Coder-1.5B-Instruct).
-            draft: path, or None for the default draft (Qwen2.5-Coder-0.5B-Instruct) when
-                ``use_default_draft`` is True.
+            target: HF model folder or ``.gguf`` file; None for the default target
+                (Qwen2.5-Coder-1.5B-Instruct).
+            draft: HF model folder or ``.gguf`` file; None for the default draft
+                (Qwen2.5-Coder-0.5B-Instruct). Loaded only for proposers that need one.
             dtype: ``"bfloat16"`` or ``"float32"`` (or the torch dtype).
-            use_default_draft: load the default draft when ``draft`` is None; False gives a
-                target-only generator.
+            proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
+                ``"prompt_lookup"``), or None for a target-only generator.
+            proposer_options: the proposer's own options (e.g. ``max_ngram=4``).
 
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
-            ValueError: unknown dtype.
+            ValueError: unknown dtype or proposer, or bad proposer options.
             IncompatibleModelsError: vocabularies differ.
         """
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
+        from specdecode.proposers import PROPOSERS, make_proposer
 
         parse_dtype(dtype)
+        if proposer is not None and proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
+        needs_draft = proposer is not None and PROPOSERS[proposer].needs_draft
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
-        draft_dir = resolve_model_dir(draft, "draft") if draft is not None or use_default_draft else None
+        draft_dir = resolve_model_dir(draft, "draft") if needs_draft else None
         target_model = load_model(target_dir, "target", dtype)
         draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
-        return cls(target_model, draft_model, tokenizer=load_tokenizer(target_dir))
+        built = make_proposer(proposer, draft_model, **proposer_options) if proposer is not None else None
+        return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
 
     @staticmethod
     def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

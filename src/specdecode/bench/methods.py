@@ -5,8 +5,8 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
 :class:`~specdecode.stats.SpecStats`.
 
 - ``target``: our engine with ``speculative=False``, the baseline every speedup divides.
-- one method per entry of :data:`PROPOSERS` (today ``draft_model``): our engine with that proposer.
-  A new proposer appears in the benchmark by one :func:`register_proposer` call.
+- one method per proposer of the library (:data:`specdecode.proposers.PROPOSERS`: ``draft_model``,
+  ``prompt_lookup``, ...), registered automatically; :func:`register_proposer` adds others.
 - peers on the same model objects: ``hf_generate`` (``model.generate`` alone), ``hf_assisted``
   (``assistant_model=draft``, Hugging Face's own draft-length defaults) and ``hf_prompt_lookup``
   (``prompt_lookup_num_tokens=k``).
@@ -25,8 +25,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.engine import SpeculativeGenerator
+from specdecode.proposers import PROPOSERS as LIBRARY_PROPOSERS
 from specdecode.proposers.base import Proposer
-from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
 
@@ -205,7 +205,12 @@ def _hf_run(extra: Callable[[BenchModels, int | None], dict[str, Any]] | None = 
 
 
 register_method(Method("target", _engine_run(None)))
-register_proposer("draft_model", lambda models: DraftModelProposer(models.require_draft()), needs_draft=True)
+for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with its default options
+    register_proposer(
+        _spec.name,
+        lambda models, spec=_spec: spec.build(models.require_draft() if spec.needs_draft else None),
+        needs_draft=_spec.needs_draft,
+    )
 register_method(Method("hf_generate", _hf_run(), peer=True))
 register_method(
     Method("hf_assisted", _hf_run(lambda m, k: {"assistant_model": m.require_draft()}), peer=True, needs_draft=True)

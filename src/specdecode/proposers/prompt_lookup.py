@@ -1,0 +1,92 @@
+"""Prompt lookup (n-gram) proposer: copy what followed the last n tokens earlier in the context.
+
+Saxena 2023, "Prompt Lookup Decoding" (the method behind Hugging Face's
+``prompt_lookup_num_tokens`` and vLLM's ``ngram`` speculator). It costs no model call, and pays off
+where the output repeats the input: summarization, retrieval-augmented answers, code editing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.proposers.base import DraftTokens
+from specdecode.sampling import SamplingParams
+from specdecode.verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig:
+    """Options of :class:`PromptLookupProposer`.
+
+    Attributes:
+        max_ngram: the longest suffix of the context to look up (tokens).
+        min_ngram: the shortest one tried before giving up (tokens), 1 <= min_ngram <= max_ngram.
+
+    Raises:
+        ValueError: bounds outside the above.
+    """
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
+            raise ValueError(f"min_ngram must be an integer >= 1, got {self.min_ngram!r}")
+        if not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram must be an integer >= min_ngram ({self.min_ngram}), got {self.max_ngram!r}")
+
+
+def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+    """The tokens that followed an earlier occurrence of the context's last n tokens.
+
+    n runs from ``max_ngram`` down to ``min_ngram``; the first n with a match wins (longer
+    matches predict better). Among its matches, the most recent one that still has
+    ``num_tokens`` tokens after it is used; if none has, the earliest (the longest continuation),
+    since in a repetitive text the most recent match overlaps the end and continues for one token
+    only. Vectorised: one comparison of all length-n windows per n.
+
+    Args:
+        context: int64 ``[T]``.
+        num_tokens: k >= 1, the most tokens to return.
+        max_ngram, min_ngram: see :class:`PromptLookupConfig`.
+
+    Returns:
+        int64 ``[m]`` with 0 <= m <= k (empty when nothing matches).
+    """
+    T = context.shape[0]
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        windows = context[: T - 1].unfold(0, n, 1)  # (T - n, n): every window that has a successor
+        hits = (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,) start positions
+        if hits.numel():
+            full = hits[hits + n + num_tokens <= T]  # matches followed by num_tokens tokens
+            start = int(full[-1] if full.numel() else hits[0]) + n
+            return context[start : start + num_tokens].clone()
+    return torch.empty(0, dtype=torch.int64)
+
+
+class PromptLookupProposer:
+    """Deterministic proposal from the context itself (``probs=None``: one-hot q for the verifier,
+    which keeps sampling exact)."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, config: PromptLookupConfig | None = None) -> None:
+        self.config = config or PromptLookupConfig()
+
+    def reset(self) -> None:
+        """Stateless: nothing to forget."""
+
+    def propose(
+        self,
+        context: torch.Tensor,
+        num_tokens: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTokens:
+        ids = find_continuation(context, num_tokens, self.config.max_ngram, self.config.min_ngram)
+        return DraftTokens(ids)
+
+    def observe(self, result: VerifyResult) -> None:
+        """Stateless: nothing to learn."""
