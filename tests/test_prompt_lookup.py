@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
-from reference import exact_marginals, target_only_greedy
-from stat_checks import P_MIN, chi_square_p
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.proposers import PromptLookupConfig, PromptLookupProposer, make_proposer
 from specdecode.proposers.prompt_lookup import find_continuation
+
+from conftest import make_tiny_model
+from reference import exact_marginals, target_only_greedy
+from stat_checks import P_MIN, chi_square_p
 
 
 def t(ids: list[int]) -> torch.Tensor:
