@@ -82,8 +82,8 @@ def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys):
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     saved = json.loads((out / "results.json").read_text())
-    labels = ["target", "draft_model[k=2]", "draft_model[k=3]", "hf_generate", "hf_assisted",
-              "hf_prompt_lookup[k=2]", "hf_prompt_lookup[k=3]"]  # fmt: skip
+    labels = ["target", "draft_model[k=2]", "draft_model[k=3]", "prompt_lookup[k=2]", "prompt_lookup[k=3]",
+              "hf_generate", "hf_assisted", "hf_prompt_lookup[k=2]", "hf_prompt_lookup[k=3]"]  # fmt: skip
     assert saved["methods"] == labels and saved["skipped"] == {}
     assert {r["group"] for r in saved["records"]} == {"coding", "qa"}  # a category selector names its column
     assert saved["environment"]["torch"] and saved["settings"]["num_speculative_tokens"] == [2, 3]
