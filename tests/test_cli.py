@@ -118,6 +118,8 @@ def test_stop_string_from_the_cli(model_dirs, capsys) -> None:
         (["--max-new-tokens", "0"], "max_new_tokens"),
         (["-k", "0"], "num_speculative_tokens"),
         (["--draft", "/no/such/model"], "--draft"),
+        (["--proposer", "prompt_lookup", "--min-ngram", "0"], "min_ngram"),
+        (["--max-ngram", "2"], "--max-ngram"),
     ],
 )
 def test_cli_errors_name_the_parameter(model_dirs, capsys, args: list[str], message: str) -> None:

@@ -95,11 +95,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_num_speculative_tokens(args.num_speculative_tokens)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
-    if not args.no_speculation:
-        from specdecode.proposers import make_proposer
-
-        if args.proposer == "prompt_lookup":  # model-free: build once to validate its options early
-            make_proposer(args.proposer, **proposer_options(args))
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
         draft=args.draft,

@@ -147,11 +147,13 @@ class SpeculativeGenerator:
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
         needs_draft = proposer is not None and PROPOSERS[proposer].needs_draft
+        # model-free proposers are built first, so bad options fail before any weights load
+        built = make_proposer(proposer, None, **proposer_options) if proposer and not needs_draft else None
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
         draft_dir = resolve_model_dir(draft, "draft") if needs_draft else None
         target_model = load_model(target_dir, "target", dtype)
-        draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
-        built = make_proposer(proposer, draft_model, **proposer_options) if proposer is not None else None
+        if draft_dir is not None:
+            built = make_proposer(proposer, load_model(draft_dir, "draft", dtype), **proposer_options)
         return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
 
     @staticmethod

@@ -124,10 +124,10 @@ def rejection_sample(
     if n == k:
         final = p[k]  # bonus: the target's own distribution
     else:
-        q_n = torch.zeros_like(p[n]) if draft_probs is None else draft_probs[n].double()
-        if draft_probs is None:
-            q_n[draft_ids[n]] = 1.0
-        final = (p[n] - q_n).clamp_min(0.0)  # residual; its sum is > 0 whenever a rejection can happen
+        final = p[n].clone() if draft_probs is None else (p[n] - draft_probs[n].double()).clamp_min(0.0)
+        if draft_probs is None:  # one-hot q: the residual is p with the rejected token removed
+            final[draft_ids[n]] = 0.0
+        # the residual's sum is > 0 whenever a rejection can happen
     next_token = torch.multinomial(final.float(), 1, generator=generator)  # (1,)
     return VerifyResult(n, torch.cat([draft_ids[:n], next_token]))
 
