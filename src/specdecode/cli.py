@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -38,23 +39,41 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
-    """``--proposer`` and every proposer's own options."""
+    """``--proposer`` and one flag per option of every registered proposer (fields of its config)."""
     from specdecode.proposers import PROPOSERS
 
-    p.add_argument("--proposer", default="draft_model", choices=sorted(PROPOSERS), help="default: draft_model")
-    p.add_argument("--max-ngram", type=int, default=None, help="prompt_lookup: longest n-gram looked up (default 3)")
-    p.add_argument("--min-ngram", type=int, default=None, help="prompt_lookup: shortest n-gram (default 1)")
+    choices = ", ".join(f"{name} ({spec.description})" for name, spec in PROPOSERS.items())
+    p.add_argument(
+        "--proposer", default="draft_model", choices=sorted(PROPOSERS), help=f"default draft_model; {choices}"
+    )
+    seen: dict[str, list[str]] = {}
+    helps: dict[str, tuple[Any, str]] = {}
+    for name, spec in PROPOSERS.items():
+        for f in dataclasses.fields(spec.config):
+            seen.setdefault(f.name, []).append(name)
+            helps[f.name] = (f.default, f.metadata.get("help", ""))
+    for option, owners in seen.items():
+        default, text = helps[option]
+        kind = type(default) if isinstance(default, int | float | str) and not isinstance(default, bool) else str
+        p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, help=f"{'/'.join(owners)}: {text}")
 
 
 def proposer_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options given on the command line for the chosen proposer.
+    """The options given on the command line for the chosen proposer (flags left unset are omitted).
 
     Raises:
         ValueError: an option that belongs to another proposer.
     """
-    given = {k: v for k in ("max_ngram", "min_ngram") if (v := getattr(args, k, None)) is not None}
-    if given and args.proposer != "prompt_lookup":
-        raise ValueError(f"--{next(iter(given)).replace('_', '-')} is an option of --proposer prompt_lookup")
+    from specdecode.proposers import PROPOSERS
+
+    every = {f.name for spec in PROPOSERS.values() for f in dataclasses.fields(spec.config)}
+    given = {k: v for k in sorted(every) if (v := getattr(args, k, None)) is not None}
+    own = {f.name for f in dataclasses.fields(PROPOSERS[args.proposer].config)}
+    for option in given:
+        if option not in own:
+            owners = [n for n, s in PROPOSERS.items() if option in {f.name for f in dataclasses.fields(s.config)}]
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} is an option of --proposer {' / '.join(owners)}, not of {args.proposer}")
     return given
 
 
@@ -100,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=args.draft,
         dtype=args.dtype,
         proposer=None if args.no_speculation else args.proposer,
-        **proposer_options(args),
+        **({} if args.no_speculation else proposer_options(args)),
     )
     call = dict(sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw)
     speculative = not args.no_speculation

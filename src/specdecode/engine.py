@@ -132,8 +132,9 @@ class SpeculativeGenerator:
                 (Qwen2.5-Coder-0.5B-Instruct). Loaded only for proposers that need one.
             dtype: ``"bfloat16"`` or ``"float32"`` (or the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
-                ``"prompt_lookup"``), or None for a target-only generator.
-            proposer_options: the proposer's own options (e.g. ``max_ngram=4``).
+                ``"prompt_lookup"``, ...), or None for a target-only generator.
+            proposer_options: the proposer's own options, fields of its config dataclass
+                (e.g. ``max_ngram=4`` for prompt lookup); validated before any weights load.
 
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
@@ -141,19 +142,20 @@ class SpeculativeGenerator:
             IncompatibleModelsError: vocabularies differ.
         """
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
-        from specdecode.proposers import PROPOSERS, make_proposer
+        from specdecode.proposers import PROPOSERS
 
         parse_dtype(dtype)
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
-        needs_draft = proposer is not None and PROPOSERS[proposer].needs_draft
-        # model-free proposers are built first, so bad options fail before any weights load
-        built = make_proposer(proposer, None, **proposer_options) if proposer and not needs_draft else None
+        spec = PROPOSERS[proposer] if proposer is not None else None
+        if spec is None and proposer_options:
+            raise ValueError(f"proposer options {sorted(proposer_options)} given without a proposer")
+        config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
-        draft_dir = resolve_model_dir(draft, "draft") if needs_draft else None
+        draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
         target_model = load_model(target_dir, "target", dtype)
-        if draft_dir is not None:
-            built = make_proposer(proposer, load_model(draft_dir, "draft", dtype), **proposer_options)
+        draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
+        built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
 
     @staticmethod

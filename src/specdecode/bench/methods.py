@@ -208,7 +208,9 @@ register_method(Method("target", _engine_run(None)))
 for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with its default options
     register_proposer(
         _spec.name,
-        lambda models, spec=_spec: spec.build(models.require_draft() if spec.needs_draft else None),
+        lambda models, spec=_spec: spec.build(
+            spec.make_config(), models.target, models.require_draft() if spec.needs_draft else None
+        ),
         needs_draft=_spec.needs_draft,
     )
 register_method(Method("hf_generate", _hf_run(), peer=True))

@@ -1,11 +1,14 @@
 """Proposers, all behind one protocol (:class:`~specdecode.proposers.base.Proposer`), and their registry.
 
-The CLI (``--proposer NAME``), the API (``from_pretrained(proposer=NAME)``) and ``specdecode bench``
-take proposers from :data:`PROPOSERS`, so a new proposer is one entry here.
+The CLI (``--proposer NAME`` and one flag per option), the API (``from_pretrained(proposer=NAME,
+**options)``) and ``specdecode bench`` take proposers from :data:`PROPOSERS`, so a new proposer is
+one :class:`ProposerSpec` here: a name, an options dataclass (validated in ``__post_init__``, one
+CLI flag per field, help text in the field's ``metadata["help"]``) and a build function.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from specdecode.proposers.base import DraftTokens, Proposer
-from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 
 
@@ -23,54 +26,101 @@ class ProposerSpec:
 
     Attributes:
         name: registry name (``--proposer``).
-        build: ``build(draft_model, **options)``; ``draft_model`` is None unless ``needs_draft``.
+        config: the options dataclass (``config(**options)`` validates them; no model needed).
+        build: ``build(config, target, draft) -> Proposer``; ``target`` is the target model (for
+            proposers that share its weights), ``draft`` is None unless ``needs_draft``.
         needs_draft: a draft model must be loaded for it.
+        description: one line for ``--help`` and the docs.
     """
 
     name: str
-    build: Callable[..., Proposer]
+    config: type
+    build: Callable[[Any, PreTrainedModel | None, PreTrainedModel | None], Proposer]
     needs_draft: bool = False
+    description: str = ""
+
+    def make_config(self, **options: Any) -> Any:
+        """The validated options.
+
+        Raises:
+            ValueError: an option this proposer does not take, or a bad value (named in the message).
+        """
+        known = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            takes = ", ".join(sorted(known)) or "no options"
+            raise ValueError(f"proposer {self.name!r} does not take {unknown}; it takes {takes}")
+        return self.config(**options)
 
 
-def _draft_model(draft: PreTrainedModel | None, **options: Any) -> Proposer:
+@dataclass(frozen=True)
+class NoOptions:
+    """A proposer without options."""
+
+
+def _draft_model(config: DraftModelConfig, target: PreTrainedModel | None, draft: PreTrainedModel | None) -> Proposer:
     if draft is None:
         raise ValueError("proposer 'draft_model' needs a draft model (--draft)")
-    if options:
-        raise ValueError(f"proposer 'draft_model' takes no options, got {sorted(options)}")
-    return DraftModelProposer(draft)
+    return DraftModelProposer(draft, config)
 
 
-def _prompt_lookup(draft: PreTrainedModel | None, **options: Any) -> Proposer:
-    return PromptLookupProposer(PromptLookupConfig(**options))
+def _prompt_lookup(config: PromptLookupConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
+    return PromptLookupProposer(config)
 
 
-PROPOSERS: dict[str, ProposerSpec] = {
-    spec.name: spec
-    for spec in (
-        ProposerSpec("draft_model", _draft_model, needs_draft=True),
-        ProposerSpec("prompt_lookup", _prompt_lookup),
-    )
-}
+PROPOSERS: dict[str, ProposerSpec] = {}
 
 
-def make_proposer(name: str, draft: PreTrainedModel | None = None, **options: Any) -> Proposer:
-    """Build the proposer registered as ``name``.
+def register(spec: ProposerSpec) -> ProposerSpec:
+    """Add (or replace) a proposer in :data:`PROPOSERS`; returns it."""
+    PROPOSERS[spec.name] = spec
+    return spec
+
+
+register(ProposerSpec("draft_model", DraftModelConfig, _draft_model, True, "a smaller model with the same vocabulary"))
+register(ProposerSpec("prompt_lookup", PromptLookupConfig, _prompt_lookup, False, "n-gram match in the context"))
+
+
+def get_spec(name: str) -> ProposerSpec:
+    """The registered proposer ``name``.
 
     Raises:
-        ValueError: unknown name, a missing draft model, or bad options (named in the message).
+        ValueError: unknown name.
     """
     if name not in PROPOSERS:
         raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, got {name!r}")
-    return PROPOSERS[name].build(draft, **options)
+    return PROPOSERS[name]
+
+
+def make_proposer(
+    name: str, draft: PreTrainedModel | None = None, target: PreTrainedModel | None = None, **options: Any
+) -> Proposer:
+    """Build the proposer registered as ``name``.
+
+    Args:
+        name: a key of :data:`PROPOSERS`.
+        draft: the draft model, for proposers that need one.
+        target: the target model, for proposers that share its weights.
+        options: the proposer's options (fields of its config dataclass).
+
+    Raises:
+        ValueError: unknown name, a missing model, or bad options (named in the message).
+    """
+    spec = get_spec(name)
+    return spec.build(spec.make_config(**options), target, draft)
 
 
 __all__ = [
     "PROPOSERS",
+    "DraftModelConfig",
     "DraftModelProposer",
     "DraftTokens",
+    "NoOptions",
     "PromptLookupConfig",
     "PromptLookupProposer",
     "Proposer",
     "ProposerSpec",
+    "get_spec",
     "make_proposer",
+    "register",
 ]

@@ -7,7 +7,7 @@ where the output repeats the input: summarization, retrieval-augmented answers, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,8 +28,8 @@ class PromptLookupConfig:
         ValueError: bounds outside the above.
     """
 
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = field(default=3, metadata={"help": "longest n-gram looked up (default 3)"})
+    min_ngram: int = field(default=1, metadata={"help": "shortest n-gram looked up (default 1)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
