@@ -75,6 +75,16 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast
     return fast
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads
+    per process oversubscribe the cores and slow tests down many times."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     # byte-level BPE needs >= 256 + 3 entries; the models below use the tokenizer's real size

@@ -82,8 +82,10 @@ def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys):
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     saved = json.loads((out / "results.json").read_text())
-    labels = ["target", "draft_model[k=2]", "draft_model[k=3]", "prompt_lookup[k=2]", "prompt_lookup[k=3]",
-              "hf_generate", "hf_assisted", "hf_prompt_lookup[k=2]", "hf_prompt_lookup[k=3]"]  # fmt: skip
+    from specdecode.proposers import PROPOSERS
+
+    ours = [f"{name}[k={k}]" for name in PROPOSERS for k in (2, 3)]  # every library proposer, automatically
+    labels = ["target", *ours, "hf_generate", "hf_assisted", "hf_prompt_lookup[k=2]", "hf_prompt_lookup[k=3]"]
     assert saved["methods"] == labels and saved["skipped"] == {}
     assert {r["group"] for r in saved["records"]} == {"coding", "qa"}  # a category selector names its column
     assert saved["environment"]["torch"] and saved["settings"]["num_speculative_tokens"] == [2, 3]
@@ -216,3 +218,40 @@ def test_default_questions_file_groups():
     prompts = load_prompts(None, "mt_bench,translation", 8)
     assert math.isclose(len(prompts), 16)
     assert len({p.category for p in prompts if p.group == "mt_bench"}) == 8  # round-robin over MT-bench categories
+
+
+# ----------------------------------------------------------------------------- method specs
+def test_methods_with_options_and_schedules(models, questions):
+    from specdecode.bench.methods import split_methods
+
+    names = split_methods("target, prompt_lookup(max_ngram=2,min_ngram=1)+adaptive,draft_model+heuristic")
+    assert names == ["target", "prompt_lookup(max_ngram=2,min_ngram=1)+adaptive", "draft_model+heuristic"]
+    results = run(models, questions, names)
+    assert results["methods"] == [
+        "target",
+        "prompt_lookup(max_ngram=2,min_ngram=1)+adaptive[k=3]",
+        "draft_model+heuristic[k=3]",
+    ]
+    by_method: dict[str, list] = {}
+    for r in results["records"]:
+        by_method.setdefault(r["method"], []).append(r)
+    schedules = {m: {r["stats"]["schedule"] for r in rs} for m, rs in by_method.items()}
+    assert schedules["prompt_lookup(max_ngram=2,min_ngram=1)+adaptive[k=3]"] == {"adaptive"}
+    assert schedules["draft_model+heuristic[k=3]"] == {"heuristic"}
+    for rs in by_method.values():  # greedy: every method's tokens equal the target's
+        assert [r["token_ids"] for r in rs] == [r["token_ids"] for r in by_method["target"]]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("prompt_lookup(max_ngram=0)", "max_ngram"),
+        ("prompt_lookup(colour=red)", "does not take"),
+        ("prompt_lookup+sometimes", "schedule"),
+        ("prompt_lookup(max_ngram)", "key=value"),
+        ("medusa", "unknown method"),
+    ],
+)
+def test_bad_method_specs(name, message):
+    with pytest.raises(ValueError, match=message):
+        expand([name], [3])

@@ -4,13 +4,25 @@ Skipped, with the reason, when the model packages are not installed."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import ModelNotFoundError
 from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def all_cores():
+    """Real models do use intra-op threads (conftest sets one thread for the tiny models)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,26 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         "--num-speculative-tokens",
         type=int,
         default=DEFAULT_K,
-        help=f"tokens drafted per step (default {DEFAULT_K})",
+        help=f"tokens drafted per step (default {DEFAULT_K}; the starting k of a varying schedule)",
     )
+    p.add_argument(
+        "--schedule",
+        default="constant",
+        choices=["constant", "heuristic", "adaptive"],
+        help="k per step: constant (default), heuristic (grow after full acceptance, shrink after a "
+        "rejection), adaptive (heuristic + measured fallback to plain decoding)",
+    )
+
+
+def _option_type(default: Any, annotation: str) -> type:
+    """The argparse type of a config field: its default's type, or for a None default the first
+    of int / float named in its annotation (``"int | None"`` -> int), else str."""
+    if isinstance(default, int | float | str) and not isinstance(default, bool):
+        return type(default)
+    for kind in (int, float):
+        if kind.__name__ in annotation.replace(" ", "").split("|"):
+            return kind
+    return str
 
 
 def add_proposer_args(p: argparse.ArgumentParser) -> None:
@@ -48,13 +66,15 @@ def add_proposer_args(p: argparse.ArgumentParser) -> None:
     )
     seen: dict[str, list[str]] = {}
     helps: dict[str, tuple[Any, str]] = {}
+    annotations: dict[str, str] = {}
     for name, spec in PROPOSERS.items():
         for f in dataclasses.fields(spec.config):
             seen.setdefault(f.name, []).append(name)
             helps[f.name] = (f.default, f.metadata.get("help", ""))
+            annotations[f.name] = str(f.type)
     for option, owners in seen.items():
         default, text = helps[option]
-        kind = type(default) if isinstance(default, int | float | str) and not isinstance(default, bool) else str
+        kind = _option_type(default, annotations[option])
         p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, help=f"{'/'.join(owners)}: {text}")
 
 
@@ -121,7 +141,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         proposer=None if args.no_speculation else args.proposer,
         **({} if args.no_speculation else proposer_options(args)),
     )
-    call = dict(sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw)
+    call = dict(
+        sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw, schedule=args.schedule
+    )
     speculative = not args.no_speculation
     if args.json:
         result = generator.generate(args.prompt, speculative=speculative, **call)
@@ -172,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from specdecode.proposers.token_map import add_token_map_parser
+
+    add_token_map_parser(sub)
+
+    from specdecode.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
 
     return parser
 

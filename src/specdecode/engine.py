@@ -31,6 +31,7 @@ from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.sampling import SamplingParams
+from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.text import StopStringStream
 from specdecode.verify import verify
@@ -208,7 +209,7 @@ class SpeculativeGenerator:
         self,
         prompt_ids: torch.Tensor,
         sampling: SamplingParams,
-        k: int,
+        schedule: SpeculationSchedule,
         proposer: Proposer | None,
         stats: SpecStats,
         generator: torch.Generator,
@@ -219,7 +220,7 @@ class SpeculativeGenerator:
         if proposer is not None:
             proposer.reset()
         T = prompt_ids.shape[0]
-        context = torch.empty(T + sampling.max_new_tokens + k + 1, dtype=torch.int64)  # preallocated
+        context = torch.empty(T + sampling.max_new_tokens + schedule.max_k + 1, dtype=torch.int64)  # preallocated
         context[:T] = prompt_ids
 
         tic = time.perf_counter()
@@ -233,7 +234,7 @@ class SpeculativeGenerator:
             yield result.tokens
             # context[:T] is known; the target has cached context[:T - 1].
             room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
-            k_step = min(k, room) if proposer is not None else 0
+            k_step = min(schedule.next_k(), room) if proposer is not None else 0
             tic = time.perf_counter()
             draft = (
                 proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()
@@ -249,7 +250,9 @@ class SpeculativeGenerator:
             target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
             if proposer is not None:
                 proposer.observe(result)
+                schedule.update(len(draft), result.num_accepted, time.perf_counter() - tic)
             stats.observe(len(draft), result.num_accepted)  # 5.
+            stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
 
     def stream_tokens(
         self,
@@ -258,6 +261,7 @@ class SpeculativeGenerator:
         num_speculative_tokens: int = 4,
         raw: bool = False,
         speculative: bool = True,
+        schedule: ScheduleConfig | str = "constant",
     ) -> Iterator[tuple[list[int], str, GenerationResult]]:
         """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
 
@@ -266,6 +270,7 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
         k = check_num_speculative_tokens(num_speculative_tokens)
+        plan = SpeculationSchedule(k, schedule)
         proposer = self.proposer if speculative else None
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -273,15 +278,16 @@ class SpeculativeGenerator:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         stats = SpecStats(
-            num_speculative_tokens=k if proposer else 0,
+            num_speculative_tokens=plan.max_k if proposer else 0,
             proposer=proposer.name if proposer else "none",
+            schedule=plan.kind if proposer else "none",
             dtype=self.dtype,
             prompt_tokens=int(prompt_ids.shape[0]),
         )
         result = GenerationResult("", [], "length", stats)
         text = StopStringStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
         limit = min(sampling.max_new_tokens, self.target.max_length - prompt_ids.shape[0])
-        steps = self._steps(prompt_ids, sampling, k, proposer, stats, generator)
+        steps = self._steps(prompt_ids, sampling, plan, proposer, stats, generator)
         try:
             for tokens in steps:
                 if not result.token_ids:
@@ -316,15 +322,21 @@ class SpeculativeGenerator:
         num_speculative_tokens: int = 4,
         raw: bool = False,
         speculative: bool = True,
+        schedule: ScheduleConfig | str = "constant",
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
         Args:
             prompt: a string (chat template applied unless ``raw``) or a list of token ids.
             sampling: :class:`SamplingParams` (default: greedy, 128 new tokens).
-            num_speculative_tokens: k, tokens drafted per step, in [1, 64].
+            num_speculative_tokens: k, tokens drafted per step, in [1, 64] (the starting k of a
+                ``heuristic`` or ``adaptive`` schedule).
             raw: do not apply the chat template to a string prompt.
             speculative: False decodes with the target alone (same loop, no proposer).
+            schedule: how k changes from step to step: ``"constant"``, ``"heuristic"`` (grow
+                after a fully accepted draft, shrink after a rejection) or ``"adaptive"`` (the
+                heuristic plus a measured fallback to plain decoding), or a
+                :class:`~specdecode.schedule.ScheduleConfig`. See :mod:`specdecode.schedule`.
 
         Returns:
             :class:`GenerationResult`. Two calls with the same seed return the same result.
@@ -333,7 +345,7 @@ class SpeculativeGenerator:
             ValueError: bad prompt or parameter (the message names it).
         """
         result = GenerationResult("", [], "length")
-        for _, _, result in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative):
+        for _, _, result in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative, schedule):
             pass
         return result
 
@@ -344,8 +356,9 @@ class SpeculativeGenerator:
         num_speculative_tokens: int = 4,
         raw: bool = False,
         speculative: bool = True,
+        schedule: ScheduleConfig | str = "constant",
     ) -> Iterator[str]:
         """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
-        for _, piece, _ in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative):
+        for _, piece, _ in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative, schedule):
             if piece:
                 yield piece

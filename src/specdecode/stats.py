@@ -21,6 +21,10 @@ class SpecStats:
         num_speculative_tokens: k, the most tokens proposed per step (0: no speculation).
         proposer: the proposer's name, or ``"none"`` for target-only decoding.
         dtype: the target's dtype, e.g. ``"bfloat16"``.
+        schedule: how k was chosen per step (``"constant"``, ``"heuristic"``, ``"adaptive"``;
+            ``"none"`` without speculation); with a varying k, ``num_speculative_tokens`` is its ceiling.
+        plain_steps: steps the schedule decoded without a draft (adaptive fallback and its measurements).
+        fallbacks: times the adaptive schedule switched speculation off.
         drafts: steps that proposed at least one token.
         draft_tokens: tokens proposed in all.
         accepted_tokens: proposed tokens the verifier kept.
@@ -39,6 +43,9 @@ class SpecStats:
     num_speculative_tokens: int = 0
     proposer: str = "none"
     dtype: str = "float32"
+    schedule: str = "none"
+    plain_steps: int = 0
+    fallbacks: int = 0
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -126,4 +133,7 @@ class SpecStats:
             "num_speculative_tokens": self.num_speculative_tokens,
             "proposer": self.proposer,
             "dtype": self.dtype,
+            "schedule": self.schedule,
+            "plain_steps": self.plain_steps,
+            "fallbacks": self.fallbacks,
         }

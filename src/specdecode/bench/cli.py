@@ -32,7 +32,11 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
     categories = "mt_bench, translation, summarization, qa, math_reasoning, rag, humaneval, or an MT-bench category"
     b.add_argument("--categories", help=f"comma list of {categories} such as coding (default: all)")
-    b.add_argument("--methods", help="comma list of methods (default: all registered; see specdecode.bench.methods)")
+    b.add_argument(
+        "--methods",
+        help="comma list of methods (default: all registered); a proposer method may carry options and a "
+        "schedule, e.g. 'draft_model(draft_confidence=0.4)+adaptive' (see specdecode.bench.methods)",
+    )
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
     b.add_argument("-k", "--num-speculative-tokens", default="4", help="k, or a sweep such as 2,4,6,8 (default 4)")
@@ -93,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.report:
         print(render(load_results(args.report), args.out or Path(args.report).parent), end="")
         return 0
-    from specdecode.bench.methods import METHODS, BenchSettings, expand
+    from specdecode.bench.methods import METHODS, BenchSettings, expand, split_methods
     from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import environment, run_bench, save_results
 
@@ -102,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--repeats and --prompts-per-category must be >= 1")
     settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
     ks = parse_ks(args.num_speculative_tokens)
-    names = [n.strip() for n in opts["methods"].split(",") if n.strip()] if opts["methods"] else list(METHODS)
+    names = split_methods(opts["methods"]) if opts["methods"] else list(METHODS)
     variants = expand(names, ks)
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
     models = _load_models(args, need_draft=any(v.method.needs_draft for v in variants))

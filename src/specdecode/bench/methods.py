@@ -12,10 +12,15 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
   (``prompt_lookup_num_tokens=k``).
 
 Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``.
+
+A proposer method can carry its options and a schedule (:mod:`specdecode.schedule`) in its name:
+``NAME(option=value,...)+SCHEDULE``, e.g. ``draft_model(token_map=default,draft_vocab_size=32768)``,
+``prompt_lookup+adaptive`` or ``early_exit(exit_layer=8)+heuristic`` (:func:`parse_method`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -166,12 +171,14 @@ def register_method(method: Method) -> Method:
     return method
 
 
-def _engine_run(proposer: str | None) -> RunFn:
+def _engine_run(proposer: str | None, schedule: str = "constant") -> RunFn:
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
         generator = models.generator(proposer)
         sampling = settings.sampling()
         tic = time.perf_counter()
-        result = generator.generate(prompt_ids, sampling, num_speculative_tokens=k or 1, speculative=bool(proposer))
+        result = generator.generate(
+            prompt_ids, sampling, num_speculative_tokens=k or 1, speculative=bool(proposer), schedule=schedule
+        )
         return MethodOutput(result.token_ids, time.perf_counter() - tic, result.stats)
 
     return run
@@ -222,14 +229,82 @@ register_method(
 )
 
 
-def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:
-    """Columns for the named methods: one per k for methods that take k, ``target`` first.
+_METHOD_SPEC = re.compile(r"^(?P<name>\w+)(?:\((?P<options>[^()]*)\))?(?:\+(?P<schedule>\w+))?$")
+
+
+def _option_value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+def split_methods(text: str) -> list[str]:
+    """Split a ``--methods`` list at the commas outside parentheses:
+    ``"target,draft_model(a=1,b=2)"`` -> ``["target", "draft_model(a=1,b=2)"]``."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += char
+    items.append(current.strip())
+    return [item for item in items if item]
+
+
+def parse_method(text: str) -> Method:
+    """The method named ``text``: a registered name, or ``PROPOSER(option=value,...)+SCHEDULE``.
+
+    Options are validated here (before any model loads) by the proposer's config dataclass.
 
     Raises:
-        ValueError: an unknown method name, or an empty list.
+        ValueError: unknown method, proposer or schedule, or bad options (named in the message).
     """
-    unknown = [n for n in names if n not in METHODS]
-    if unknown or not names:
-        raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
-    ordered = sorted(dict.fromkeys(names), key=lambda n: n != "target")
-    return [Variant(METHODS[n], k) for n in ordered for k in (ks if METHODS[n].uses_k else [None])]
+    from specdecode.proposers import PROPOSERS as LIBRARY
+    from specdecode.schedule import SCHEDULES
+
+    text = text.replace(" ", "")
+    if text in METHODS:
+        return METHODS[text]
+    match = _METHOD_SPEC.match(text)
+    if match is None or match["name"] not in PROPOSERS:
+        raise ValueError(f"unknown method {text!r}; choose from {sorted(METHODS)}, or PROPOSER(option=value)+SCHEDULE")
+    name, schedule = match["name"], match["schedule"] or "constant"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule in method {text!r} must be one of {list(SCHEDULES)}, got {schedule!r}")
+    options: dict[str, Any] = {}
+    for pair in filter(None, (match["options"] or "").split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
+        options[key] = _option_value(value)
+    base = METHODS[name]
+    if options:
+        if name not in LIBRARY:
+            raise ValueError(f"method {name!r} takes no options")
+        spec = LIBRARY[name]
+        config = spec.make_config(**options)
+        PROPOSERS[text] = lambda models: spec.build(
+            config, models.target, models.require_draft() if spec.needs_draft else None
+        )
+    else:
+        PROPOSERS[text] = PROPOSERS[name]
+    return Method(text, _engine_run(text, schedule), uses_k=True, needs_draft=base.needs_draft)
+
+
+def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:
+    """Columns for the named methods (see :func:`parse_method`): one per k for methods that take
+    k, ``target`` first.
+
+    Raises:
+        ValueError: an unknown method name, bad options, or an empty list.
+    """
+    if not names:
+        raise ValueError(f"no methods given; choose from {sorted(METHODS)}")
+    methods = [parse_method(n) for n in dict.fromkeys(names)]
+    ordered = sorted(methods, key=lambda m: m.name != "target")
+    return [Variant(m, k) for m in ordered for k in (ks if m.uses_k else [None])]

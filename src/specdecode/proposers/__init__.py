@@ -17,7 +17,9 @@ from transformers import PreTrainedModel
 
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,18 @@ def _draft_model(config: DraftModelConfig, target: PreTrainedModel | None, draft
     return DraftModelProposer(draft, config)
 
 
+def _early_exit(config: EarlyExitConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
+    if target is None:
+        raise ValueError("proposer 'early_exit' needs the target model (its first layers draft)")
+    return EarlyExitProposer(target, config)
+
+
 def _prompt_lookup(config: PromptLookupConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
     return PromptLookupProposer(config)
+
+
+def _suffix(config: SuffixConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
+    return SuffixProposer(config)
 
 
 PROPOSERS: dict[str, ProposerSpec] = {}
@@ -79,6 +91,8 @@ def register(spec: ProposerSpec) -> ProposerSpec:
 
 register(ProposerSpec("draft_model", DraftModelConfig, _draft_model, True, "a smaller model with the same vocabulary"))
 register(ProposerSpec("prompt_lookup", PromptLookupConfig, _prompt_lookup, False, "n-gram match in the context"))
+register(ProposerSpec("suffix", SuffixConfig, _suffix, False, "suffix tree over the prompt and earlier outputs"))
+register(ProposerSpec("early_exit", EarlyExitConfig, _early_exit, False, "the target's first layers draft"))
 
 
 def get_spec(name: str) -> ProposerSpec:
@@ -115,11 +129,15 @@ __all__ = [
     "DraftModelConfig",
     "DraftModelProposer",
     "DraftTokens",
+    "EarlyExitConfig",
+    "EarlyExitProposer",
     "NoOptions",
     "PromptLookupConfig",
     "PromptLookupProposer",
     "Proposer",
     "ProposerSpec",
+    "SuffixConfig",
+    "SuffixProposer",
     "get_spec",
     "make_proposer",
     "register",

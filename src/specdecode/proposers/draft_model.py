@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,7 @@ from transformers import PreTrainedModel
 
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.token_map import load_token_map
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.verify import VerifyResult
 
@@ -23,16 +25,62 @@ class DraftModelConfig:
             value, in [0, 1); 0 drafts all k tokens. A cut draft costs less and loses little:
             unconfident tokens are the ones the target rejects (the dynamic draft length of
             Hugging Face's ``assistant_confidence_threshold``; Mamou et al. 2024, arXiv 2405.04304).
+        token_map: a reduced draft LM head (FR-Spec, Zhao et al. 2025, arXiv 2502.14856): a token map
+            file (``.npy`` / ``.pt``, see :mod:`specdecode.proposers.token_map`), or ``"default"``
+            for the map shipped for the default target's tokenizer (Qwen2.5); None drafts over the
+            full vocabulary. The draft then proposes only the map's tokens (q is zero elsewhere);
+            the output stays exact, acceptance drops by the target mass outside the map.
+        draft_vocab_size: use only the first N ids of ``token_map`` (its N most frequent tokens);
+            None uses all of it. A string of an integer (from the command line) is accepted.
 
     Raises:
-        ValueError: ``draft_confidence`` outside [0, 1).
+        ValueError: ``draft_confidence`` outside [0, 1); ``token_map`` not None, ``"default"`` or a
+            readable map file; ``draft_vocab_size`` not an integer in [1, len(map)], or given
+            without ``token_map``.
     """
 
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
+    token_map: str | None = field(
+        default=None,
+        metadata={"help": "reduced draft LM head over a token map: .npy/.pt file or 'default' (FR-Spec; default off)"},
+    )
+    draft_vocab_size: int | None = field(
+        default=None, metadata={"help": "use the first N (most frequent) ids of --token-map (default: all)"}
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_confidence, int | float) or not 0.0 <= self.draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be a number in [0, 1), got {self.draft_confidence!r}")
+        if self.token_map is not None:
+            if not isinstance(self.token_map, str | os.PathLike) or not str(self.token_map):
+                raise ValueError(f"token_map must be a file path or 'default', got {self.token_map!r}")
+            object.__setattr__(self, "token_map", str(self.token_map))
+        size = self.draft_vocab_size
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size)
+            object.__setattr__(self, "draft_vocab_size", size)
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"draft_vocab_size must be None or an integer >= 1, got {self.draft_vocab_size!r}")
+        if size is not None and self.token_map is None:
+            raise ValueError("draft_vocab_size needs token_map (the ids it takes the first N of)")
+        if self.token_map is not None:
+            n = len(self.head_ids())
+            if size is not None and size > n:
+                raise ValueError(f"draft_vocab_size must be at most {n}, the size of token_map, got {size}")
+
+    def head_ids(self) -> torch.Tensor | None:
+        """The draft's token ids (int64 ``[N]``, most frequent first), or None for the full vocabulary.
+
+        Raises:
+            ValueError: ``token_map`` names no readable map file (the message names ``token_map``).
+        """
+        if self.token_map is None:
+            return None
+        try:
+            ids = load_token_map(self.token_map)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"token_map: {error}") from error
+        return ids[: self.draft_vocab_size] if self.draft_vocab_size is not None else ids
 
 
 class DraftModelProposer:
@@ -42,20 +90,43 @@ class DraftModelProposer:
     sampled requests sample from the draft's distribution after the request's temperature /
     top-k / top-p and return it as ``q`` for rejection sampling.
 
+    With a token map (``config.token_map``) the draft scores only the map's N tokens (a reduced
+    LM head, :class:`~specdecode.models.runner.ModelRunner` ``head_ids``): greedy drafts the argmax
+    over the map; sampling applies temperature, then top-k and top-p to the *reduced* logits (so
+    top-k keeps the k most likely tokens of the map, and top-p the nucleus of the draft's
+    distribution renormalised over the map), and returns ``q`` over the full vocabulary, zero
+    outside the map. ``draft_confidence`` compares the top probability over the map. Rejection
+    sampling is exact for any ``q``; the residual supplies the target's mass outside the map.
+
     Cache sync: the proposer remembers which tokens its cache holds. At each ``propose`` it keeps
     the longest prefix shared with the new context (the accepted draft tokens stay cached, the
     rejected ones are truncated away) and feeds only the rest, so rollback is a truncate.
 
     Args:
-        model: the draft ``transformers`` causal LM; its vocabulary must be the target's.
-        config: :class:`DraftModelConfig` (default: draft all k tokens).
+        model: the draft ``transformers`` causal LM; its vocabulary must be the target's. Not
+            modified (a token map copies the head rows it needs).
+        config: :class:`DraftModelConfig` (default: draft all k tokens, full vocabulary).
+
+    Raises:
+        ValueError: a token map with ids outside the draft's vocabulary, or a draft whose logits a
+            reduced head cannot reproduce (see :class:`~specdecode.models.runner.ModelRunner`).
     """
 
     name = "draft_model"
 
     def __init__(self, model: PreTrainedModel, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
-        self.runner = ModelRunner(model)
+        head_ids = self.config.head_ids()
+        V = int(model.get_output_embeddings().weight.shape[0])
+        if head_ids is not None and int(head_ids.max()) >= V:
+            raise ValueError(
+                f"token_map {self.config.token_map!r} has ids up to {int(head_ids.max())}, outside the draft's "
+                f"vocabulary of {V}: it was built for another tokenizer"
+            )
+        try:
+            self.runner = ModelRunner(model, head_ids=head_ids)
+        except ValueError as error:
+            raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
         self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
 
     @property
@@ -68,7 +139,7 @@ class DraftModelProposer:
 
     def _sync(self, context: torch.Tensor) -> torch.Tensor:
         """Roll the cache back to the prefix it shares with ``context``; return the logits of the
-        token after ``context`` (float32 ``[V]``)."""
+        token after ``context`` (float32 ``[V]``, or ``[N]`` over the token map)."""
         n = min(self._cached.shape[0], context.shape[0] - 1)  # feed at least the last token
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n
@@ -82,21 +153,23 @@ class DraftModelProposer:
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> DraftTokens:
-        logits = self._sync(context)  # (V,)
+        logits = self._sync(context)  # (V,), or (N,) over the token map
+        head_ids = self.runner.head_ids  # (N,) or None
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         threshold = self.config.draft_confidence
         for i in range(num_tokens):
             if sampling.greedy:
-                token = logits.argmax().view(1)  # (1,)
-                if threshold > 0 and i > 0 and float(torch.softmax(logits, -1)[token]) < threshold:
+                j = logits.argmax().view(1)  # (1,)
+                if threshold > 0 and i > 0 and float(torch.softmax(logits, -1)[j]) < threshold:
                     break
             else:
-                q = logits_to_probs(logits, sampling)  # (V,)
+                q = logits_to_probs(logits, sampling)  # (V,) or (N,)
                 if threshold > 0 and i > 0 and float(q.max()) < threshold:
                     break
-                token = sample(q, generator).view(1)
-                probs.append(q)
+                j = sample(q, generator).view(1)
+                probs.append(q if head_ids is None else q.new_zeros(self.vocab_size).index_copy_(0, head_ids, q))
+            token = j if head_ids is None else head_ids[j]  # (1,) full-vocabulary id
             ids.append(token)
             if i + 1 < num_tokens:
                 logits = self.runner.forward(token, num_logits=1)[-1]

@@ -1,0 +1,279 @@
+"""Token maps: the N most frequent target tokens, for a draft with a reduced LM head (FR-Spec).
+
+FR-Spec (Zhao et al. 2025, arXiv 2502.14856) restricts the draft's LM head to the tokens that
+occur most often, cutting the cost of the head (a large part of a small draft's forward pass). The
+draft's ``q`` is then zero outside the map; rejection sampling stays exact, since the residual
+``max(0, p - q)`` supplies the target's mass outside it (SGLang calls the file
+``--speculative-token-map``).
+
+A map is an int64 list of N distinct token ids: the tokenizer's special and added tokens first (so
+that EOS can always be drafted), then the other tokens by descending corpus frequency (ties by id).
+When the corpus has fewer distinct tokens than N, unseen ids follow in ascending order (in BPE
+vocabularies, a lower id is an earlier, i.e. more frequent, merge).
+
+The corpus ships offline with Python: the standard library's source (``*.py``) and the prose
+packaged in site-packages (``.rst`` / ``.md`` / ``.txt`` documents, ``METADATA``, license texts).
+Benchmark prompts (Spec-Bench, HumanEval) are never read.
+
+Files: ``.npy`` (int32 on disk, loaded as int64) or ``.pt`` (a ``torch.save``'d 1-D tensor, the
+format of FR-Spec's and SGLang's maps). :data:`DEFAULT_TOKEN_MAP` ships in the package: the
+32,768 most frequent tokens of the Qwen2.5 tokenizer (the default target's) on that corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_TOKEN_MAP = Path(__file__).resolve().parent.parent / "data" / "token_map_qwen2.5_32768.npy"
+CORPORA = ("stdlib", "site-packages")
+PROSE_SUFFIXES = (".rst", ".md", ".txt")
+PROSE_NAMES = ("METADATA", "LICENSE", "COPYING", "NOTICE", "AUTHORS")
+MAX_PROSE_BYTES = 1 << 20
+# Never read benchmark data, wherever it is installed (compared with '-' and '_' removed, lower case).
+EXCLUDED = ("humaneval", "specbench", "mtbench")
+REPORT_SIZES = (8192, 16384, 32768, 65536)
+
+
+# ---------------------------------------------------------------- corpus
+def _excluded(path: Path) -> bool:
+    flat = str(path).lower().replace("-", "").replace("_", "")
+    return any(name in flat for name in EXCLUDED)
+
+
+def _is_prose(path: Path) -> bool:
+    return path.suffix in PROSE_SUFFIXES or path.name.startswith(PROSE_NAMES)
+
+
+def corpus_files(sources: Sequence[str] = CORPORA) -> list[Path]:
+    """The files of the corpus, sorted (so that a map is reproducible on one installation).
+
+    Args:
+        sources: ``"stdlib"`` (``*.py`` under ``sysconfig.get_paths()["stdlib"]``, installed
+            packages excluded), ``"site-packages"`` (prose files of at most 1 MiB under purelib and
+            platlib), or a folder (its ``*.py`` and prose files).
+
+    Raises:
+        ValueError: a source that is neither a known name nor an existing folder.
+    """
+    files: set[Path] = set()
+    for source in sources:
+        if source == "stdlib":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            files.update(p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts))
+        elif source == "site-packages":
+            for root in {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}:
+                files.update(p for p in root.rglob("*") if _is_prose(p) and p.is_file())
+        elif Path(source).is_dir():
+            files.update(p for p in Path(source).rglob("*") if (p.suffix == ".py" or _is_prose(p)) and p.is_file())
+        else:
+            raise ValueError(f"corpus: {source!r} is neither one of {list(CORPORA)} nor a folder")
+    return sorted(p for p in files if not _excluded(p))
+
+
+def read_texts(paths: Iterable[Path]) -> Iterator[str]:
+    """The UTF-8 text of each file. Skipped: files that are not UTF-8, prose files over 1 MiB, and
+    prose that is mostly not letters (numeric data shipped as ``.txt``)."""
+    for path in paths:
+        if _is_prose(path) and path.stat().st_size > MAX_PROSE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if _is_prose(path):
+            visible = sum(not c.isspace() for c in text)
+            if not visible or sum(c.isalpha() for c in text) < 0.5 * visible:
+                continue
+        if text:
+            yield text
+
+
+# ---------------------------------------------------------------- counting and building
+def special_token_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's special and added tokens (EOS, chat markers, ...), sorted."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    ids.update(getattr(tokenizer, "added_tokens_decoder", None) or {})
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(int(i) for i in ids)
+
+
+def count_tokens(tokenizer: Any, texts: Iterable[str], batch_size: int = 64) -> np.ndarray:
+    """How often each token occurs in ``texts`` (each tokenized on its own, no special tokens added).
+
+    Returns:
+        int64 ``[len(tokenizer)]`` counts.
+    """
+    counts = np.zeros(len(tokenizer), dtype=np.int64)
+    batch: list[str] = []
+
+    def flush() -> None:
+        encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)
+        ids = np.concatenate(
+            [np.asarray(row, dtype=np.int64) for row in encoded["input_ids"]] + [np.zeros(0, np.int64)]
+        )
+        counts[:] += np.bincount(ids, minlength=counts.shape[0])[: counts.shape[0]]
+        batch.clear()
+
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
+    return counts
+
+
+def token_map_from_counts(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ids of ``always``, then the others by descending count (ties: ascending id), ``size`` in all.
+
+    Args:
+        counts: int ``[V]`` token counts.
+        size: N, 1 <= N <= V.
+        always: ids placed first whatever their count (special tokens); at most N of them.
+
+    Returns:
+        int64 ``[N]`` distinct ids.
+
+    Raises:
+        ValueError: ``size`` outside [1, V], or more ``always`` ids than ``size``.
+    """
+    V = counts.shape[0]
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= V:
+        raise ValueError(f"size must be an integer in [1, {V}] (the vocabulary), got {size!r}")
+    first = list(dict.fromkeys(int(i) for i in always if 0 <= int(i) < V))
+    if len(first) > size:
+        raise ValueError(f"size {size} is smaller than the {len(first)} special tokens, which are always kept")
+    order = np.lexsort((np.arange(V), -counts))  # by count descending, then id ascending; (V,)
+    rest = order[~np.isin(order, first)][: size - len(first)]
+    return torch.tensor(first + rest.tolist(), dtype=torch.int64)
+
+
+def build_token_map(tokenizer: Any, texts: Iterable[str], size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens of ``texts`` under ``tokenizer``, special tokens first.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (the target's).
+        texts: the corpus, e.g. ``read_texts(corpus_files())``.
+        size: N, the number of ids, in [1, len(tokenizer)].
+
+    Returns:
+        int64 ``[N]`` distinct token ids: :func:`special_token_ids`, then by descending frequency.
+
+    Raises:
+        ValueError: ``size`` out of range.
+    """
+    return token_map_from_counts(count_tokens(tokenizer, texts), size, special_token_ids(tokenizer))
+
+
+def coverage(counts: np.ndarray, token_map: torch.Tensor) -> float:
+    """Fraction of the counted tokens (``counts`` int ``[V]``) whose id is in ``token_map`` ``[N]``."""
+    total = int(counts.sum())
+    return float(counts[token_map.numpy()].sum()) / total if total else 0.0
+
+
+# ---------------------------------------------------------------- files
+def save_token_map(token_map: torch.Tensor, path: str | Path) -> Path:
+    """Write ``token_map`` (int ``[N]``) to ``path``: ``.npy`` (stored as int32) or ``.pt``.
+
+    Raises:
+        ValueError: another suffix.
+    """
+    path = Path(path)
+    ids = torch.as_tensor(token_map, dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npy":
+        np.save(path, ids.numpy().astype(np.int32))
+    elif path.suffix == ".pt":
+        torch.save(ids, path)
+    else:
+        raise ValueError(f"token map file must end in .npy or .pt, got {path}")
+    return path
+
+
+def resolve_token_map(spec: str | Path) -> Path:
+    """``"default"`` -> :data:`DEFAULT_TOKEN_MAP`; a path -> itself.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = DEFAULT_TOKEN_MAP if str(spec) == "default" else Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such token map file: {path}")
+    return path
+
+
+def load_token_map(spec: str | Path) -> torch.Tensor:
+    """Read a token map (``"default"``, or a ``.npy`` / ``.pt`` file).
+
+    Returns:
+        int64 ``[N]`` distinct non-negative token ids, most frequent first.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a non-empty 1-D array of distinct non-negative integers, or an unreadable file.
+    """
+    path = resolve_token_map(spec)
+    try:
+        if path.suffix == ".pt":
+            data = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            data = torch.from_numpy(np.load(path, allow_pickle=False))
+    except Exception as error:  # any unreadable file is a bad option value
+        raise ValueError(f"cannot read token map {path}: {error}") from error
+    if data.dim() != 1 or data.numel() == 0 or data.is_floating_point() or data.dtype == torch.bool:
+        raise ValueError(f"token map {path} must be a non-empty 1-D integer array, got {data.dtype} {list(data.shape)}")
+    ids = data.to(torch.int64)
+    if int(ids.min()) < 0 or ids.unique().numel() != ids.numel():
+        raise ValueError(f"token map {path} must hold distinct non-negative token ids")
+    return ids
+
+
+# ---------------------------------------------------------------- command line
+def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``build-token-map`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
+    t = subparsers.add_parser("build-token-map", help="the N most frequent target tokens, for --token-map (FR-Spec)")
+    t.add_argument("--target", help="target whose tokenizer counts: HF model folder or .gguf (default: default target)")
+    t.add_argument("--size", type=int, default=32768, help="N, ids in the map (default 32768)")
+    t.add_argument("--out", help="output .npy or .pt file (default token_map_<N>.npy)")
+    corpus = f"comma list of {', '.join(CORPORA)} or folders"
+    t.add_argument("--corpus", default=",".join(CORPORA), help=f"{corpus} (default: both)")
+    t.set_defaults(func=cmd_build_token_map)
+    return t
+
+
+def cmd_build_token_map(args: argparse.Namespace) -> int:
+    """Count the corpus, save the map, print one JSON object: corpus size and coverage per N."""
+    from specdecode.models.loading import load_tokenizer, resolve_model_dir
+
+    sources = [s.strip() for s in args.corpus.split(",") if s.strip()]
+    if not sources:
+        raise ValueError("--corpus is empty")
+    files = corpus_files(sources)
+    tokenizer = load_tokenizer(resolve_model_dir(args.target, "target"))
+    texts = list(read_texts(files))
+    counts = count_tokens(tokenizer, texts)
+    always = special_token_ids(tokenizer)
+    token_map = token_map_from_counts(counts, args.size, always)
+    out = save_token_map(token_map, args.out or f"token_map_{args.size}.npy")
+    sizes = sorted(n for n in {*REPORT_SIZES, len(token_map)} if n <= counts.shape[0])
+    summary = {
+        "out": str(out),
+        "size": len(token_map),
+        "corpus": sources,
+        "files": len(texts),
+        "characters": sum(len(t) for t in texts),
+        "tokens": int(counts.sum()),
+        "distinct_tokens": int((counts > 0).sum()),
+        "coverage": {n: coverage(counts, token_map_from_counts(counts, n, always[:n])) for n in sizes},
+    }
+    print(json.dumps(summary))
+    return 0
