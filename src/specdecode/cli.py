@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from specdecode.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
     from specdecode.proposers.token_map import add_token_map_parser
 
     add_token_map_parser(sub)

@@ -1,0 +1,12 @@
+"""``specdecode serve``: an OpenAI-compatible server with continuous batching of speculative decoding.
+
+Modules (importing this package imports nothing heavy; see docs/serving.md):
+
+- :mod:`~specdecode.serve.batch`: the target over a batch of ragged rows with one KV cache;
+- :mod:`~specdecode.serve.cost`: the start-up cost model and the per-step speculation plan;
+- :mod:`~specdecode.serve.scheduler`: the scheduler thread (queue, admission, the batched loop);
+- :mod:`~specdecode.serve.app` / :mod:`~specdecode.serve.schemas`: HTTP routes and request models;
+- :mod:`~specdecode.serve.metrics`, :mod:`~specdecode.serve.audit`: Prometheus metrics, the audit log;
+- :mod:`~specdecode.serve.server`: build an app from model objects, run one in a thread;
+- :mod:`~specdecode.serve.cli`: the ``serve`` subcommand.
+"""

@@ -1,0 +1,274 @@
+"""A target model run over a batch of sequences of different lengths, with one KV cache for all.
+
+The cache is one preallocated buffer per layer, ``K, V: [rows, H_kv, capacity, D]`` (gpt-fast's
+static cache, with one length pointer per row instead of one for the batch). Row ``r`` holds the
+first ``lengths[r]`` tokens of its sequence.
+
+One :meth:`BatchedRunner.forward` over rows ``first .. first + B - 1`` with inputs of ``n_b``
+tokens each (ragged; right-padded to ``T = max n_b``):
+
+- token ``t`` of row ``b`` is written at cache position ``p[b, t] = lengths[b] + t`` and gets
+  rotary position ``p[b, t]`` (``position_ids``, ``(B, T)``);
+- it attends to the cache positions ``j <= p[b, t]`` of its own row: a 4D additive mask
+  ``(B, 1, T, L)`` with ``L = max_b lengths[b] + T``, given to the model as the ready-made mask
+  mapping ``{"full_attention": mask}`` so that ``transformers`` builds none of its own;
+- the padding tokens (``t >= n_b``) are computed too, but their logits are dropped and their keys
+  and values, written past the row's valid length, are never attended by a valid query and are
+  overwritten by the row's next tokens;
+- afterwards ``lengths[b] += n_b``.
+
+Rollback of one row is :meth:`BatchedRunner.truncate`: its length pointer moves back, the stale
+entries stay in the buffer, masked by the rule above, until overwritten. Rows join at the end
+(:meth:`add_row`) and leave by :meth:`remove_row`, which moves the last row into the hole, so that
+the active rows are always ``0 .. num_rows - 1`` and the decode batch is a view of the buffers.
+
+Works with ``transformers`` decoder-only models whose attention layers call
+``past_key_values.update(key, value, layer_idx)`` and apply rotary embeddings from
+``position_ids`` (Qwen2, Llama, Mistral, ...), with ``sdpa`` or ``eager`` attention. Sliding-window
+layers get the same mask, cut to the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+_ATTENTION = ("sdpa", "eager")
+
+
+class BatchedKVCache:
+    """Per-layer key / value buffers with a length per row; passed to the model as ``past_key_values``.
+
+    Buffers are created on the first :meth:`update` of each layer (shape, dtype and device from
+    the model's keys) and grow along the sequence axis when a forward needs more room.
+
+    Args:
+        max_rows: rows of every buffer (the most sequences at once).
+        capacity: initial positions per row (grows as needed, in steps of ``block``).
+        block: capacity grows to a multiple of this.
+    """
+
+    is_compileable = False
+
+    def __init__(self, max_rows: int, capacity: int = 256, block: int = 256) -> None:
+        self.max_rows = max_rows
+        self.capacity = capacity
+        self.block = block
+        self.keys: list[torch.Tensor] = []  # per layer (max_rows, H_kv, capacity, D)
+        self.values: list[torch.Tensor] = []
+        # Set by BatchedRunner.forward for the call in progress:
+        self._first = 0  # first row of the call
+        self._positions: torch.Tensor | None = None  # (B, T) int64 write positions
+        self._kv_length = 0  # L: positions returned to attention
+
+    def prepare(self, first: int, positions: torch.Tensor, kv_length: int) -> None:
+        """Say where the next forward writes: rows ``first ..`` at ``positions`` ``(B, T)``; grow if needed."""
+        self._first, self._positions, self._kv_length = first, positions, kv_length
+        if kv_length > self.capacity:
+            new = -(-kv_length // self.block) * self.block
+            for i in range(len(self.keys)):
+                self.keys[i] = self._grow(self.keys[i], new)
+                self.values[i] = self._grow(self.values[i], new)
+            self.capacity = new
+
+    @staticmethod
+    def _grow(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+        rows, heads, old, dim = buffer.shape
+        grown = buffer.new_zeros(rows, heads, capacity, dim)
+        grown[:, :, :old] = buffer
+        return grown
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this call's keys / values and return the rows' first ``L`` positions.
+
+        Args:
+            key_states, value_states: ``(B, H_kv, T, D)`` from the attention layer.
+            layer_idx: the layer (layers call in order 0, 1, ...).
+
+        Returns:
+            ``(B, H_kv, L, D)`` keys and values (views of the buffers).
+        """
+        assert self._positions is not None, "BatchedKVCache.prepare must be called before the forward"
+        if layer_idx == len(self.keys):  # first use of this layer
+            _, heads, _, dim = key_states.shape
+            shape = (self.max_rows, heads, self.capacity, dim)
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape))
+        B = key_states.shape[0]
+        rows = torch.arange(B, device=key_states.device)[:, None]  # (B, 1)
+        k = self.keys[layer_idx][self._first : self._first + B]  # (B, H, cap, D) view
+        v = self.values[layer_idx][self._first : self._first + B]
+        k[rows, :, self._positions] = key_states.transpose(1, 2)  # (B, T, H, D) scattered per row
+        v[rows, :, self._positions] = value_states.transpose(1, 2)
+        return k[:, :, : self._kv_length], v[:, :, : self._kv_length]
+
+    @torch.inference_mode()
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``source`` into row ``target``."""
+        for k, v in zip(self.keys, self.values, strict=True):
+            k[target, :, :length] = k[source, :, :length]
+            v[target, :, :length] = v[source, :, :length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions returned to attention in the call in progress (for code that asks)."""
+        return self._kv_length
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class BatchedRunner:
+    """A ``transformers`` causal LM over up to ``max_rows`` sequences that share one forward pass.
+
+    Rows are the sequences, ``0 .. num_rows - 1``. Each row keeps its own length; see the module
+    docstring for how ragged rows, padding, masks and rollback work.
+
+    Args:
+        model: a decoder-only ``transformers`` causal LM (RoPE, ``sdpa`` or ``eager`` attention).
+        max_rows: the most sequences at once.
+        capacity: initial cache positions per row (grows as needed).
+
+    Raises:
+        ValueError: ``max_rows`` < 1, or an attention implementation other than sdpa / eager.
+    """
+
+    def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int = 256) -> None:
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attention not in _ATTENTION:
+            raise ValueError(f"the batched runner needs sdpa or eager attention, the model uses {attention!r}")
+        self.model = model.eval()
+        self.max_rows = max_rows
+        self.cache = BatchedKVCache(max_rows, capacity)
+        self.lengths: list[int] = []  # per row: cached tokens
+        config = model.config
+        self._layer_types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+        self._window = getattr(config, "sliding_window", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        """Longest sequence the model takes (``max_position_embeddings``)."""
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def add_row(self) -> int:
+        """Start an empty row at the end; returns its index.
+
+        Raises:
+            RuntimeError: all ``max_rows`` rows are in use.
+        """
+        if self.num_rows >= self.max_rows:
+            raise RuntimeError(f"all {self.max_rows} rows of the batched runner are in use")
+        self.lengths.append(0)
+        return self.num_rows - 1
+
+    def remove_row(self, row: int) -> int | None:
+        """Free ``row``: the last row moves into its place.
+
+        Returns:
+            the former index of the row that moved to ``row`` (the caller renumbers it), or None
+            when ``row`` was the last one.
+        """
+        last = self.num_rows - 1
+        if not 0 <= row <= last:
+            raise ValueError(f"row must be in [0, {last}], got {row}")
+        if row == last:
+            self.lengths.pop()
+            return None
+        self.cache.move_row(last, row, self.lengths[last])
+        self.lengths[row] = self.lengths.pop()
+        return last
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of ``row`` (rollback).
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the row.
+        """
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"truncate length of row {row} must be in [0, {self.lengths[row]}], got {length}")
+        self.lengths[row] = length
+
+    def _masks(self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Additive masks ``(B, 1, T, L)``: 0 where key ``j <= position`` (and inside the window), else -inf-like."""
+        keys = torch.arange(kv_length, device=positions.device)  # (L,)
+        allowed = keys[None, None, :] <= positions[:, :, None]  # (B, T, L)
+        masks = {}
+        for kind in self._layer_types:
+            ok = allowed
+            if kind == "sliding_attention" and self._window:
+                ok = allowed & (keys[None, None, :] > positions[:, :, None] - self._window)
+            mask = torch.zeros(ok.shape, dtype=dtype, device=positions.device)
+            masks[kind] = mask.masked_fill_(~ok, torch.finfo(dtype).min)[:, None]  # (B, 1, T, L)
+        return masks
+
+    @torch.inference_mode()
+    def forward(self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int]) -> list[torch.Tensor]:
+        """Append ``inputs[b]`` to row ``first + b`` for every b, in one pass of the model.
+
+        Args:
+            first: the first row; the call covers rows ``first .. first + len(inputs) - 1``.
+            inputs: per row, int64 ``[n_b]`` (n_b >= 1), the tokens after the row's cached ones.
+            num_logits: per row, how many of its last positions to score (1 <= num_logits[b] <= n_b).
+
+        Returns:
+            per row, float32 ``[num_logits[b], V]``; row i scores the token after
+            ``inputs[b][n_b - num_logits[b] + i]``, exactly as
+            :meth:`specdecode.models.runner.ModelRunner.forward` does for one sequence.
+
+        Raises:
+            ValueError: rows outside ``0 .. num_rows - 1``, an empty input, or a bad ``num_logits``.
+        """
+        B = len(inputs)
+        if B == 0 or len(num_logits) != B or not 0 <= first <= first + B <= self.num_rows:
+            raise ValueError(f"rows {first}..{first + B - 1} with {len(num_logits)} num_logits, have {self.num_rows}")
+        sizes = [int(x.shape[0]) for x in inputs]
+        for b, (n, m) in enumerate(zip(sizes, num_logits, strict=True)):
+            if n < 1 or not 1 <= m <= n:
+                raise ValueError(f"row {first + b}: need 1 <= num_logits ({m}) <= tokens ({n})")
+        T = max(sizes)
+        device = self.device
+        ids = torch.zeros(B, T, dtype=torch.int64)  # (B, T), padded with token 0
+        for b, x in enumerate(inputs):
+            ids[b, : sizes[b]] = x
+        starts = torch.tensor(self.lengths[first : first + B], dtype=torch.int64)  # (B,)
+        positions = (starts[:, None] + torch.arange(T)[None, :]).to(device)  # (B, T)
+        kv_length = int(starts.max()) + T
+        self.cache.prepare(first, positions, kv_length)
+        # Score only the positions some row needs: [B, P, V] for the P distinct ones.
+        wanted = sorted({n - m + i for n, m in zip(sizes, num_logits, strict=True) for i in range(m)})
+        keep: int | torch.Tensor = 0 if wanted == list(range(T)) else torch.tensor(wanted, device=device)
+        out = self.model(
+            input_ids=ids.to(device),
+            position_ids=positions,
+            attention_mask=self._masks(positions, kv_length, self.model.dtype),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        column = {p: i for i, p in enumerate(wanted)}
+        logits = out.logits  # (B, P, V)
+        result = []
+        for b, (n, m) in enumerate(zip(sizes, num_logits, strict=True)):
+            cols = [column[p] for p in range(n - m, n)]
+            result.append(logits[b, cols[0] : cols[-1] + 1].float())  # (m, V): wanted is sorted, runs are contiguous
+            self.lengths[first + b] += n
+        return result

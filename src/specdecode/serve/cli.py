@@ -1,0 +1,96 @@
+"""``specdecode serve``: the command line of the server.
+
+Example::
+
+    specdecode serve --speculation adaptive --max-batch-size 8 --audit-log audit.jsonl
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "Qwen2.5-Coder-1.5B-Instruct", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
+
+Heavy imports (torch, transformers, FastAPI, uvicorn) happen inside the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from specdecode.cli import DEFAULT_K, add_model_args, add_proposer_args, proposer_options
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    s = subparsers.add_parser("serve", help="OpenAI-compatible server with batched speculative decoding")
+    add_model_args(s)
+    add_proposer_args(s)
+    s.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, help="default k of requests")
+    s.add_argument(
+        "--speculation",
+        choices=["on", "off", "adaptive"],
+        default="adaptive",
+        help="on: always draft k; off: never; adaptive (default): per step, from the cost model measured at start-up",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--served-model-name", help="the model id of the API (default: the target's folder name)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY)")
+    s.add_argument("--audit-log", metavar="PATH", help="append one JSON line per request to PATH")
+    s.add_argument("--audit-log-prompts", action="store_true", help="also write prompts into the audit log")
+    s.add_argument("--max-batch-size", type=int, default=8, help="most sequences decoding together (default 8)")
+    s.add_argument(
+        "--kv-budget-tokens", type=int, default=65536, help="KV-cache tokens reserved at most (default 65536)"
+    )
+    s.add_argument("--max-queue", type=int, default=64, help="most waiting requests; more get HTTP 429 (default 64)")
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens of chat requests without one")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def settings_from_args(args: argparse.Namespace, model_name: str) -> Any:
+    """:class:`ServeSettings` from the parsed flags (validated: ValueError names the flag)."""
+    from specdecode.serve.config import ServeSettings
+
+    return ServeSettings(
+        model_name=args.served_model_name or model_name,
+        proposer=args.proposer,
+        proposer_options=proposer_options(args),
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculation=args.speculation,
+        max_batch_size=args.max_batch_size,
+        kv_budget_tokens=args.kv_budget_tokens,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
+        audit_log=args.audit_log,
+        audit_log_prompts=args.audit_log_prompts,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from specdecode.models.default import DEFAULT_TARGET
+    from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
+    from specdecode.proposers import get_spec
+    from specdecode.serve.server import build_app
+
+    parse_dtype(args.dtype)
+    spec = get_spec(args.proposer)
+    settings_from_args(args, "check")  # every flag checked before any weights load
+    target_dir = resolve_model_dir(args.target, "target")
+    name = DEFAULT_TARGET.name if args.target is None else target_dir.name
+    settings = settings_from_args(args, name)
+    draft_dir = resolve_model_dir(args.draft, "draft") if spec.needs_draft or args.draft else None
+    target = load_model(target_dir, "target", args.dtype)
+    draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app, _ = build_app(target, load_tokenizer(target_dir), settings, draft=draft)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

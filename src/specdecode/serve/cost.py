@@ -1,0 +1,255 @@
+"""Speculation that follows the load: a cost model measured at start-up, and the per-step plan.
+
+Speculation trades target compute for fewer target passes. Alone, a decode pass is memory-bound:
+verifying k + 1 tokens costs about as much as scoring one, so drafting pays. In a large batch
+the pass becomes compute-bound, its time grows with the tokens scored, and the rejected draft
+tokens are pure waste; a sequence whose drafts are mostly rejected wastes draft time at any load.
+The scheduler therefore decides, before every step, how many tokens each sequence drafts.
+
+The model (all times in seconds, measured on this machine):
+
+- ``t_target(B, T)``: one batched target pass over ``B`` rows of ``T`` tokens each (``T = 1 +`` the
+  largest draft in the batch; shorter rows are padded). Measured at start-up on a grid of batch
+  sizes (1, 2, 4, ... up to ``--max-batch-size``) and ``T`` in {1, 2, 3, k/2 + 1, k + 1} at a
+  fixed context (:func:`measure_target_costs`), interpolated linearly in each axis between grid
+  points and clamped outside it.
+- ``c_p``: the time proposer ``p`` takes per drafted token for one sequence (a draft model runs
+  one forward per token; prompt lookup almost nothing). Measured at start-up for the server's
+  default proposer (:func:`measure_draft_cost`), for the others on their first use, and refined
+  while serving (an exponential moving average).
+- ``alpha_i``: sequence i's acceptance rate, ``(accepted + w * alpha_p) / (drafted + w)`` with
+  its own recent counts (decayed by :data:`DECAY` per step) and the server's running rate
+  ``alpha_p`` of its proposer as the prior (weight ``w`` = :data:`PRIOR_WEIGHT` tokens). A
+  sequence that stops drafting forgets its counts step by step, drifting back to the prior, so
+  it is tried again later (the model keeps exploring).
+- A row drafting k tokens yields ``E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens per step
+  in expectation (Leviathan et al. 2023, arXiv 2211.17192, eq. 1), one when k = 0.
+
+Per step, choose ``k_i`` in ``0 .. kmax_i`` (the request's ``num_speculative_tokens``, cut to the
+tokens it may still produce) to maximise the batch's goodput, expected tokens per second::
+
+    R(k) = sum_i E(alpha_i, k_i) / (t_target(B, 1 + max_i k_i) + sum_i k_i * c_{p_i})
+
+Search (:func:`plan_speculation`): for every K in 0 .. max kmax_i, rows draft ``min(K, kmax_i)``
+or nothing; a row joins the drafting set, in order of its gain per second of draft time, while its
+gain per draft second ``(E_i - 1) / (k_i c_i)`` beats the current ``R`` (adding it raises R exactly
+then). The best K wins; K = 0 (no speculation) is always a candidate. So at a batch size where
+``t_target(B, K + 1)`` is well above ``t_target(B, 1)`` nobody drafts, and a sequence with a low
+``alpha_i`` stops drafting first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.sampling import SamplingParams
+
+PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
+DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
+INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
+DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """``E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)``: expected tokens of one step that drafts k
+    tokens with i.i.d. acceptance ``alpha`` in [0, 1] (``k + 1`` when alpha = 1)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Measured costs (see the module docstring).
+
+    Attributes:
+        batch_sizes: grid of B, increasing.
+        tokens: grid of T (tokens per row), increasing.
+        target_s: ``[len(batch_sizes)][len(tokens)]`` seconds of one target pass.
+        draft_s_per_token: per proposer name, seconds per drafted token for one sequence.
+    """
+
+    batch_sizes: list[int]
+    tokens: list[int]
+    target_s: list[list[float]]
+    draft_s_per_token: dict[str, float] = field(default_factory=dict)
+
+    def target_time(self, batch: int, tokens: int) -> float:
+        """``t_target(B, T)`` in seconds, interpolated linearly in T, then in B (clamped at the grid's ends)."""
+        per_b = [float(np.interp(tokens, self.tokens, row)) for row in self.target_s]
+        return float(np.interp(batch, self.batch_sizes, per_b))
+
+    def draft_time(self, proposer: str) -> float:
+        """``c_p``: seconds per drafted token of ``proposer`` (0 if never measured)."""
+        return self.draft_s_per_token.get(proposer, 0.0)
+
+    def observe_draft(self, proposer: str, seconds: float, tokens: int) -> None:
+        """Refine ``c_p`` with one measured ``propose`` call that drafted ``tokens`` tokens."""
+        if tokens <= 0:
+            return
+        old = self.draft_s_per_token.get(proposer)
+        new = seconds / tokens
+        self.draft_s_per_token[proposer] = new if old is None else DRAFT_COST_EMA * old + (1 - DRAFT_COST_EMA) * new
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "batch_sizes": self.batch_sizes,
+            "tokens": self.tokens,
+            "target_s": self.target_s,
+            "draft_s_per_token": dict(self.draft_s_per_token),
+        }
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A sequence's recent acceptance counts, decayed per step (see the module docstring)."""
+
+    accepted: float = 0.0
+    drafted: float = 0.0
+
+    def rate(self, prior: float) -> float:
+        """``alpha_i`` in [0, 1] with ``prior`` (the proposer's running rate) weighted PRIOR_WEIGHT tokens."""
+        return (self.accepted + PRIOR_WEIGHT * prior) / (self.drafted + PRIOR_WEIGHT)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One step: decay the old counts, add this step's (``drafted`` = 0: just forget a little)."""
+        self.accepted = DECAY * self.accepted + accepted
+        self.drafted = DECAY * self.drafted + drafted
+
+
+def plan_speculation(
+    alphas: Sequence[float],
+    max_ks: Sequence[int],
+    draft_costs: Sequence[float],
+    target_time: Callable[[int, int], float],
+) -> list[int]:
+    """Tokens to draft per row this step, maximising expected tokens per second (module docstring).
+
+    Args:
+        alphas: per row, estimated acceptance rate in [0, 1].
+        max_ks: per row, the most tokens it may draft (0: the row does not speculate).
+        draft_costs: per row, seconds per drafted token of its proposer.
+        target_time: ``t_target(B, T)`` in seconds.
+
+    Returns:
+        per row, k_i in ``0 .. max_ks[i]``.
+    """
+    B = len(alphas)
+    best_rate, best = B / target_time(B, 1), [0] * B
+    for K in range(1, max(max_ks, default=0) + 1):
+        ks = [min(K, m) for m in max_ks]
+        gains = [expected_tokens(a, k) - 1.0 for a, k in zip(alphas, ks, strict=True)]
+        costs = [k * c for k, c in zip(ks, draft_costs, strict=True)]
+        order = sorted(
+            (i for i in range(B) if ks[i] > 0 and gains[i] > 0),
+            key=lambda i: gains[i] / costs[i] if costs[i] > 0 else float("inf"),
+            reverse=True,
+        )
+        tokens, seconds, chosen = float(B), target_time(B, K + 1), [0] * B
+        for i in order:
+            if gains[i] * seconds <= costs[i] * tokens:  # gain / cost <= current rate: adding lowers it
+                break
+            tokens, seconds, chosen[i] = tokens + gains[i], seconds + costs[i], ks[i]
+        if any(chosen):
+            seconds += target_time(B, 1 + max(chosen)) - target_time(B, K + 1)  # rows capped below K
+            if tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, chosen
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_batch_grid(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... and ``max_batch_size`` itself."""
+    grid, b = [], 1
+    while b < max_batch_size:
+        grid.append(b)
+        b *= 2
+    return grid + [max_batch_size]
+
+
+def measure_target_costs(
+    model: PreTrainedModel,
+    batch_sizes: Sequence[int],
+    tokens: Sequence[int],
+    context: int = 64,
+    repeats: int = 3,
+) -> CostModel:
+    """Time one batched target pass for every (B, T) of the grid, after ``context`` cached tokens per row.
+
+    Uses its own :class:`~specdecode.serve.batch.BatchedRunner` (its own cache), so it can run
+    before serving starts. Each point: one warm-up pass, then the fastest of ``repeats`` (the
+    least disturbed by other processes); the table is then made monotone (:func:`monotone`).
+
+    Returns:
+        a :class:`CostModel` without draft costs.
+    """
+    from specdecode.serve.batch import BatchedRunner
+
+    batch_sizes, tokens = sorted(set(batch_sizes)), sorted(set(tokens))
+    runner = BatchedRunner(model, max(batch_sizes), capacity=context + max(tokens))
+    g = torch.Generator().manual_seed(0)
+    V = runner.vocab_size
+    prompt = torch.randint(0, V, (context,), generator=g)
+    step = torch.randint(0, V, (max(tokens),), generator=g)
+    for _ in range(max(batch_sizes)):
+        runner.add_row()
+    runner.forward(0, [prompt] * runner.num_rows, [1] * runner.num_rows)
+    table = []
+    for B in batch_sizes:
+        row = []
+        for T in tokens:
+            times = []
+            for _ in range(repeats + 1):
+                for r in range(B):
+                    runner.truncate(r, context)
+                _sync(runner.device)
+                tic = time.perf_counter()
+                runner.forward(0, [step[:T]] * B, [T] * B)
+                _sync(runner.device)
+                times.append(time.perf_counter() - tic)
+            row.append(min(times[1:]))
+        table.append(row)
+    return CostModel(list(batch_sizes), list(tokens), monotone(table))
+
+
+def monotone(table: list[list[float]]) -> list[list[float]]:
+    """The table made non-decreasing along both axes (a running maximum): a pass over more rows or
+    more tokens never costs less; this removes timing noise that says otherwise."""
+    out = [list(itertools.accumulate(row, max)) for row in table]
+    for i in range(1, len(out)):
+        out[i] = [max(a, b) for a, b in zip(out[i], out[i - 1], strict=True)]
+    return out
+
+
+def measure_draft_cost(proposer: object, vocab_size: int, k: int, context: int = 64, repeats: int = 3) -> float:
+    """Seconds per drafted token of ``proposer`` (greedy, a random ``context``-token prompt).
+
+    A proposer that drafts nothing on random text (prompt lookup) is charged its call time per
+    requested token. The fastest of ``repeats`` timed calls (after one warm-up) is kept.
+    """
+    g = torch.Generator().manual_seed(0)
+    sampling = SamplingParams()
+    times = []
+    for _ in range(repeats + 1):
+        proposer.reset()  # type: ignore[attr-defined]
+        ids = torch.randint(0, vocab_size, (context,), generator=g)
+        proposer.propose(ids, 1, sampling, None)  # type: ignore[attr-defined]  # sync the proposer's cache first
+        ids = torch.cat([ids, torch.randint(0, vocab_size, (1,), generator=g)])
+        tic = time.perf_counter()
+        draft = proposer.propose(ids, k, sampling, None)  # type: ignore[attr-defined]
+        times.append((time.perf_counter() - tic) / max(1, len(draft)))
+    proposer.reset()  # type: ignore[attr-defined]
+    return min(times[1:])

@@ -1,0 +1,694 @@
+"""Continuous batching of speculative decoding: one thread owns the models and runs every step.
+
+Requests arrive from the HTTP layer (:meth:`Scheduler.submit`) into a bounded FIFO queue. The
+scheduler thread loops:
+
+0. **housekeeping**: end the sequences whose client went away (:meth:`Scheduler.abort`) or whose
+   deadline passed, freeing their rows; admit waiting requests, in order, while a row is free
+   and the KV budget holds their reservation; prefill the new rows together (one ragged pass)
+   and emit each one's first token (the target's own);
+1. **draft**: decide each running sequence's k for this step (:mod:`specdecode.serve.cost`,
+   ``--speculation``) and ask its own proposer (one instance per sequence, built by
+   :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not) for k tokens;
+2. **score**: ONE batched target pass over every row's ``[last token + draft]`` (ragged,
+   :class:`~specdecode.serve.batch.BatchedRunner`);
+3. **verify** each row with :func:`specdecode.verify.verify` and the request's own
+   ``torch.Generator`` (seeded from the request's ``seed``);
+4. **roll back** each row to its context plus its accepted tokens (``truncate``: a length
+   pointer), and give the proposer its feedback;
+5. **emit** each row's new tokens; stop on EOS, a stop string (held back by
+   :class:`~specdecode.text.StopStringStream`) or the token limit; finished rows leave.
+
+Per row, this is exactly the single-sequence loop of :mod:`specdecode.engine`: the same
+invariant (the row caches every context token but the last), the same verifier, the same use of
+randomness, so greedy output equals target-only greedy decoding and sampled output follows the
+target's distribution, whatever the batch and whatever k the scheduler picks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import secrets
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.proposers import get_spec, make_proposer
+from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.sampling import SamplingParams
+from specdecode.serve.audit import AuditLog, iso
+from specdecode.serve.batch import BatchedRunner
+from specdecode.serve.config import ServeSettings
+from specdecode.serve.cost import (
+    INITIAL_ACCEPTANCE,
+    AcceptanceEstimate,
+    CostModel,
+    default_batch_grid,
+    measure_draft_cost,
+    measure_target_costs,
+    plan_speculation,
+)
+from specdecode.serve.metrics import ServeMetrics
+from specdecode.stats import SpecStats
+from specdecode.text import StopStringStream
+from specdecode.verify import verify
+
+log = logging.getLogger("specdecode.serve")
+
+PRIOR_RATE = 0.01  # per drafted token, how fast a proposer's running acceptance rate moves
+MAX_PREFILL_TOKENS = 4096  # padded tokens of one batched prefill pass (a longer prompt goes alone)
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds ``--max-queue`` requests already (HTTP 429)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the scheduler cannot run; ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request receives from the scheduler, once per step that gave it tokens.
+
+    Attributes:
+        token_ids: the new token ids (may be empty on the last event).
+        text: the new text that is safe to show.
+        finish_reason: None while running; then ``"stop"``, ``"length"``, ``"abort"`` (client
+            gone), ``"timeout"`` or ``"error"``.
+        summary: on the last event: ``usage``, ``speculative`` and ``timings`` dicts.
+        error: on an ``"error"`` / ``"timeout"`` event, the message.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    summary: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class ServeRequest:
+    """One validated, tokenized request.
+
+    Attributes:
+        request_id: unique id (``cmpl-...`` / ``chatcmpl-...``).
+        prompt_ids: the prompt's token ids (chat template applied already).
+        sampling: temperature, top-k, top-p, seed, ``max_new_tokens`` (= max_tokens), stop.
+        speculative: whether this request may draft at all.
+        proposer: the proposer's name (None when not speculative).
+        num_speculative_tokens: the most tokens drafted per step (k).
+        on_event: called from the scheduler thread with every :class:`Event`; must be thread-safe.
+        endpoint: the HTTP route, for the audit log.
+        audit_settings: settings recorded in the audit log.
+        audit_prompt: the prompt as received (audited only with ``--audit-log-prompts``).
+        created: arrival time (Unix seconds).
+        deadline: ``time.monotonic()`` after which the request times out.
+        ignore_eos: do not stop at end-of-sequence tokens (benchmarks: fixed-length outputs).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    speculative: bool
+    proposer: str | None
+    num_speculative_tokens: int
+    on_event: Callable[[Event], None]
+    endpoint: str = ""
+    audit_settings: dict[str, Any] = field(default_factory=dict)
+    audit_prompt: Any = None
+    created: float = field(default_factory=time.time)
+    deadline: float = math.inf
+    ignore_eos: bool = False
+
+    @property
+    def max_k(self) -> int:
+        return self.num_speculative_tokens if self.speculative else 0
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _Sequence:
+    """A running request: its row, context, proposer, generator, text stream and counters."""
+
+    def __init__(self, req: ServeRequest, row: int, limit: int, reserved: int, proposer: Proposer | None) -> None:
+        self.req = req
+        self.row = row
+        self.limit = limit  # the most new tokens (max_tokens cut to the context)
+        self.reserved = reserved  # KV tokens reserved against the budget
+        self.proposer = proposer
+        P = len(req.prompt_ids)
+        self.prompt_len = P
+        self.context = torch.empty(P + limit + req.max_k + 1, dtype=torch.int64)  # preallocated
+        self.context[:P] = torch.tensor(req.prompt_ids, dtype=torch.int64)
+        self.T = P  # tokens of context known; the row caches the first T - 1 once decoding
+        seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats = SpecStats(
+            num_speculative_tokens=req.max_k,
+            proposer=req.proposer if req.speculative and req.proposer else "none",
+            prompt_tokens=P,
+        )
+        self.estimate = AcceptanceEstimate()
+        self.text: StopStringStream | None = None
+        self.generated: list[int] = []
+        self.started = time.time()  # joined the batch
+        self.first_token: float | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
+
+    def room(self) -> int:
+        """The most tokens it may draft this step (the engine's rule: leave room for the bonus token)."""
+        left = self.limit - len(self.generated)
+        return max(0, min(self.req.max_k if self.proposer is not None else 0, left - 1))
+
+
+class Scheduler:
+    """Owns the target (and draft) model and decodes every running request in one batch per step.
+
+    Args:
+        target: the target causal LM (its weights are used by this thread only).
+        tokenizer: the target's tokenizer (a private copy decodes in the scheduler thread).
+        settings: :class:`~specdecode.serve.config.ServeSettings`.
+        draft: the draft model for proposers that need one (weights shared by all sequences).
+        metrics: where to count (a fresh :class:`ServeMetrics` if None).
+        audit: the audit log, or None.
+        cost: a measured :class:`CostModel`; None measures one at :meth:`start` when
+            ``settings.speculation == "adaptive"``.
+
+    Raises:
+        ValueError: the default proposer is unknown or needs a draft that was not given.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: Any,
+        settings: ServeSettings,
+        draft: PreTrainedModel | None = None,
+        metrics: ServeMetrics | None = None,
+        audit: AuditLog | None = None,
+        cost: CostModel | None = None,
+    ) -> None:
+        self.target = target.eval()
+        self.draft = draft.eval() if draft is not None else None
+        self.settings = settings
+        self.tokenizer = copy.deepcopy(tokenizer)  # this thread's own: fast tokenizers are not shared safely
+        self.eos = eos_token_ids(target, tokenizer)
+        self.runner = BatchedRunner(target, settings.max_batch_size)
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.kv_budget.set(settings.kv_budget_tokens)
+        self.audit = audit
+        self.cost = cost
+        if settings.proposer is not None:
+            self.check_proposer(settings.proposer)
+            get_spec(settings.proposer).make_config(**settings.proposer_options)  # bad options fail here
+        self.active: list[_Sequence] = []  # active[i].row == i
+        self.reserved = 0
+        self._prior: dict[str, float] = {}
+        self._waiting: deque[ServeRequest] = deque()
+        self._aborts: set[str] = set()
+        self._cond = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ public, any thread
+    @property
+    def max_length(self) -> int:
+        return self.runner.max_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def started(self) -> bool:
+        """:meth:`start` has run (with or without the thread)."""
+        return self._running or self._thread is not None
+
+    @property
+    def is_alive(self) -> bool:
+        """The scheduler thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def proposers(self) -> list[str]:
+        """Names of the proposers a request may ask for (those whose models are loaded)."""
+        from specdecode.proposers import PROPOSERS
+
+        return sorted(n for n, s in PROPOSERS.items() if not s.needs_draft or self.draft is not None)
+
+    def check_proposer(self, name: str) -> None:
+        """Raises InvalidRequestError(param="proposer") unless ``name`` can run on this server."""
+        if name not in self.proposers():
+            raise InvalidRequestError(
+                f"proposer must be one of {self.proposers()} on this server, got {name!r}", "proposer"
+            )
+
+    def reservation(self, req: ServeRequest) -> int:
+        """KV-cache tokens ``req`` reserves while it runs: ``prompt + max_tokens + k + 1``."""
+        return len(req.prompt_ids) + req.sampling.max_new_tokens + req.max_k + 1
+
+    def validate(self, req: ServeRequest) -> None:
+        """Check what only the scheduler knows: prompt length, KV budget, proposer.
+
+        Raises:
+            InvalidRequestError: the message names the request field.
+        """
+        P = len(req.prompt_ids)
+        if P == 0:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        if P >= self.max_length:
+            raise InvalidRequestError(
+                f"the prompt has {P} tokens; the model's context is {self.max_length} tokens", "prompt"
+            )
+        if P + req.sampling.max_new_tokens > self.max_length:
+            raise InvalidRequestError(
+                f"the prompt ({P} tokens) plus max_tokens ({req.sampling.max_new_tokens}) exceeds the model's "
+                f"context of {self.max_length} tokens: lower max_tokens",
+                "max_tokens",
+            )
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if req.speculative:
+            if req.proposer is None:
+                raise InvalidRequestError("speculative decoding needs a proposer; none is configured", "proposer")
+            self.check_proposer(req.proposer)
+        need = self.reservation(req)
+        if need > self.settings.kv_budget_tokens:
+            raise InvalidRequestError(
+                f"the request needs {need} tokens of KV cache (prompt {P} + max_tokens "
+                f"{req.sampling.max_new_tokens} + draft {req.max_k + 1}); the server's budget is "
+                f"{self.settings.kv_budget_tokens}: lower max_tokens",
+                "max_tokens",
+            )
+
+    def submit(self, req: ServeRequest) -> None:
+        """Queue ``req`` (after :meth:`validate`).
+
+        Raises:
+            InvalidRequestError: see :meth:`validate`.
+            QueueFullError: ``--max-queue`` requests are waiting already.
+            RuntimeError: the scheduler is not running.
+        """
+        self.validate(req)
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("the scheduler is not running")
+            if len(self._waiting) >= self.settings.max_queue:
+                raise QueueFullError(
+                    f"the server is at capacity: {len(self._waiting)} requests are waiting (--max-queue "
+                    f"{self.settings.max_queue}) and {len(self.active)} are running; retry later"
+                )
+            self._waiting.append(req)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` at the next step (client gone); its row and reservation are freed."""
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify()
+
+    def start(self, thread: bool = True) -> None:
+        """Measure the cost model if needed, then start the scheduler thread.
+
+        Args:
+            thread: False accepts requests without starting the thread; the caller then drives
+                the loop with :meth:`run_once` (tests, debugging).
+        """
+        if self.cost is None and self.settings.speculation == "adaptive":
+            self.cost = self.calibrate()
+        with self._cond:
+            self._running = True
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="specdecode-scheduler", daemon=True)
+            self._thread.start()
+
+    def run_once(self) -> bool:
+        """One iteration of the loop in the caller's thread: housekeeping, then one decode step.
+
+        Returns:
+            True while requests are running or waiting.
+        """
+        with self._cond:
+            aborts, self._aborts = self._aborts, set()
+        self._housekeeping(aborts)
+        if self.active:
+            self._step()
+        return bool(self.active or self._waiting)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still queued or running end with ``"abort"``."""
+        with self._cond:
+            self._running = False
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def calibrate(self) -> CostModel:
+        """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`.cost`)."""
+        tic = time.perf_counter()
+        k = self.settings.num_speculative_tokens
+        tokens = sorted({1, 2, 3, k // 2 + 1, k + 1})
+        cost = measure_target_costs(self.target, default_batch_grid(self.settings.max_batch_size), tokens)
+        name = self.settings.proposer
+        if name is not None:  # other proposers are measured on their first use (CostModel.observe_draft)
+            proposer = make_proposer(name, draft=self.draft, target=self.target, **self.settings.proposer_options)
+            cost.draft_s_per_token[name] = measure_draft_cost(proposer, self.vocab_size, k)
+        log.info("cost model measured in %.2f s: %s", time.perf_counter() - tic, cost.to_dict())
+        return cost
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._waiting and not self.active and not self._aborts:
+                    self._cond.wait()
+                if not self._running:
+                    break
+                aborts, self._aborts = self._aborts, set()
+            try:
+                self._housekeeping(aborts)
+                if self.active:
+                    self._step()
+            except Exception as error:  # a bug or out of memory: fail the batch, keep serving
+                log.error("scheduler step failed: %s", traceback.format_exc())
+                for s in list(self.active):
+                    s.error = f"internal error: {type(error).__name__}: {error}"
+                    self._finish(s, "error")
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for req in waiting:
+            self._reject(req, "abort", "the server is shutting down")
+        for s in list(self.active):
+            s.error = "the server is shutting down"
+            self._finish(s, "abort")
+
+    def _housekeeping(self, aborts: set[str]) -> None:
+        now = time.monotonic()
+        with self._cond:
+            gone = [r for r in self._waiting if r.request_id in aborts or r.deadline <= now]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            if r.request_id in aborts:
+                self._reject(r, "abort", "the client went away")
+            else:
+                self._reject(r, "timeout", self._timeout_message(r))
+        for s in list(self.active):
+            if s.req.request_id in aborts:
+                self._finish(s, "abort")
+            elif s.req.deadline <= now:
+                s.error = self._timeout_message(s.req)
+                self._finish(s, "timeout")
+        admitted: list[ServeRequest] = []
+        with self._cond:
+            while self._waiting and len(self.active) + len(admitted) < self.settings.max_batch_size:
+                need = self.reservation(self._waiting[0])
+                if self.reserved + need > self.settings.kv_budget_tokens:
+                    break  # FIFO: the head waits for room, nobody overtakes it
+                self.reserved += need
+                admitted.append(self._waiting.popleft())
+            self.metrics.waiting.set(len(self._waiting))
+        started = [seq for seq in map(self._start, admitted) if seq is not None]  # rows added, in order
+        group: list[_Sequence] = []
+        for seq in started:  # prefill in groups of at most MAX_PREFILL_TOKENS padded tokens
+            if group and max(x.prompt_len for x in group + [seq]) * (len(group) + 1) > MAX_PREFILL_TOKENS:
+                self._prefill(group)
+                group = []
+            group.append(seq)
+        if group:
+            self._prefill(group)
+        self._leave_finished()  # only now: leaving moves rows, and the groups' rows must stay put
+        self.metrics.running.set(len(self.active))
+        self.metrics.kv_reserved.set(self.reserved)
+
+    def _timeout_message(self, req: ServeRequest) -> str:
+        return f"the request did not finish within the server's timeout of {self.settings.request_timeout_s:g} s"
+
+    def _start(self, req: ServeRequest) -> _Sequence | None:
+        """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
+        proposer = None
+        if req.speculative and req.proposer is not None and self.settings.speculation != "off":
+            options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
+            try:
+                proposer = make_proposer(req.proposer, draft=self.draft, target=self.target, **options)
+                proposer.reset()
+            except Exception as error:
+                self.reserved -= self.reservation(req)
+                self._reject(req, "error", f"could not build proposer {req.proposer!r}: {error}")
+                return None
+        limit = min(req.sampling.max_new_tokens, self.max_length - len(req.prompt_ids))
+        seq = _Sequence(req, self.runner.add_row(), limit, self.reservation(req), proposer)
+        seq.text = StopStringStream(self.tokenizer, req.sampling.stop)
+        self.active.append(seq)
+        self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
+        self.metrics.prompt_tokens.inc(seq.prompt_len)
+        return seq
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
+        logits = self.runner.forward(seqs[0].row, [s.context[: s.T] for s in seqs], [1] * len(seqs))
+        for s, row_logits in zip(seqs, logits, strict=True):
+            result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.req.sampling, s.generator)
+            s.stats.target_forward_passes += 1
+            self._emit(s, result.tokens.tolist())
+
+    def _plan(self) -> list[int]:
+        """k per running sequence for this step (``--speculation`` and the cost model)."""
+        max_ks = [s.room() for s in self.active]
+        mode = self.settings.speculation
+        if mode == "off":
+            return [0] * len(max_ks)
+        if mode == "on" or self.cost is None:
+            return max_ks
+        names = [s.req.proposer or "" for s in self.active]
+        priors = [self._prior.get(n, INITIAL_ACCEPTANCE) for n in names]
+        alphas = [s.estimate.rate(p) for s, p in zip(self.active, priors, strict=True)]
+        costs = [self.cost.draft_time(n) for n in names]
+        ks = plan_speculation(alphas, max_ks, costs, self.cost.target_time)
+        for s, k, m in zip(self.active, ks, max_ks, strict=True):
+            if k == 0 and m > 0:
+                s.estimate.observe(0, 0)  # not drafting: forget a little, drift back to the prior
+        return ks
+
+    def _step(self) -> None:
+        seqs = list(self.active)
+        ks = self._plan()
+        drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
+        self.metrics.batch_size.observe(len(seqs))
+        self.metrics.steps.inc()
+        inputs = [torch.cat([s.context[s.T - 1 : s.T], d.ids.cpu()]) for s, d in zip(seqs, drafts, strict=True)]
+        tic = time.perf_counter()
+        logits = self.runner.forward(0, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
+        seconds = time.perf_counter() - tic
+        for s, draft, row_logits in zip(seqs, drafts, logits, strict=True):
+            ids = draft.ids.cpu()
+            probs = draft.probs.cpu() if draft.probs is not None else None
+            result = verify(ids, probs, row_logits.cpu(), s.req.sampling, s.generator)  # 3. verify
+            n = result.num_accepted
+            self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
+            if s.proposer is not None:
+                s.proposer.observe(result)
+            s.stats.target_forward_passes += 1
+            s.stats.target_time_s += seconds
+            s.stats.observe(len(draft), n)
+            if len(draft):
+                s.estimate.observe(len(draft), n)
+                name = s.req.proposer or ""
+                prior = self._prior.get(name, INITIAL_ACCEPTANCE)
+                self._prior[name] = min(1.0, max(0.0, prior + PRIOR_RATE * (n - len(draft) * prior)))
+                self.metrics.speculating_rows.inc()
+                self.metrics.observe_verification(len(draft), n)
+            self._emit(s, result.tokens.tolist())  # 5. emit, stop
+        self._leave_finished()
+
+    def _draft(self, s: _Sequence, k: int) -> DraftTokens:
+        """Up to ``k`` tokens from the sequence's proposer. A proposer that fails is dropped: the
+        sequence goes on without speculation (its output is unchanged) and its summary says why."""
+        if k <= 0 or s.proposer is None:
+            return DraftTokens.empty()
+        tic = time.perf_counter()
+        try:
+            draft = s.proposer.propose(s.context[: s.T], k, s.req.sampling, s.generator)
+        except Exception as error:
+            log.warning("proposer %s failed for %s: %s", s.req.proposer, s.req.request_id, traceback.format_exc())
+            s.proposer, s.proposer_error = None, f"{type(error).__name__}: {error}"
+            return DraftTokens.empty()
+        seconds = time.perf_counter() - tic
+        s.stats.draft_time_s += seconds
+        if self.cost is not None and s.req.proposer is not None:
+            self.cost.observe_draft(s.req.proposer, seconds, len(draft))
+        return draft
+
+    def _emit(self, s: _Sequence, tokens: list[int]) -> None:
+        """Append ``tokens`` to the sequence, cut at a stop, and send the client its event."""
+        P = len(tokens)
+        s.context[s.T : s.T + P] = torch.tensor(tokens, dtype=torch.int64)
+        s.T += P
+        new_ids: list[int] = []
+        new_text = ""
+        assert s.text is not None
+        for token in tokens:
+            new_ids.append(token)
+            new_text += s.text.add(token)
+            if (token in self.eos and not s.req.ignore_eos) or s.text.stopped:
+                s.finish_reason = "stop"
+            elif len(s.generated) + len(new_ids) >= s.limit:
+                s.finish_reason = "length"
+            if s.finish_reason is not None:
+                new_text += s.text.finish()
+                break
+        if s.first_token is None:
+            s.first_token = time.time()
+            s.stats.time_to_first_token_s = s.first_token - s.req.created
+            self.metrics.ttft.observe(s.stats.time_to_first_token_s)
+        s.generated.extend(new_ids)
+        s.stats.new_tokens = len(s.generated)
+        self.metrics.generation_tokens.inc(len(new_ids))
+        if s.finish_reason is None:
+            self._send(s.req, Event(new_ids, new_text))
+        else:
+            self._finish(s, s.finish_reason, new_ids, new_text)
+
+    def _leave_finished(self) -> None:
+        for s in [s for s in self.active if s.finish_reason is not None]:
+            self._free(s)
+
+    def _free(self, s: _Sequence) -> None:
+        """Remove ``s`` from the batch: free its row (the last row moves in) and its reservation."""
+        if s not in self.active:
+            return
+        moved = self.runner.remove_row(s.row)
+        last = self.active.pop()
+        if moved is not None:
+            self.active[s.row] = last
+            last.row = s.row
+        self.reserved -= s.reserved
+        self.metrics.running.set(len(self.active))
+        self.metrics.kv_reserved.set(self.reserved)
+
+    def summary(self, s: _Sequence) -> dict[str, Any]:
+        """``usage``, ``speculative`` and ``timings`` of a sequence (for the response and the audit log)."""
+        enabled = s.req.speculative and (s.proposer is not None or s.proposer_error is not None)
+        now = time.time()
+        return {
+            "usage": usage(s.prompt_len, len(s.generated)),
+            "speculative": self._speculative(s.req, enabled, s.stats, s.proposer_error),
+            "timings": {
+                "created": s.req.created,
+                "started": s.started,
+                "first_token": s.first_token,
+                "finished": now,
+                "queue_s": s.started - s.req.created,
+                "ttft_s": None if s.first_token is None else s.first_token - s.req.created,
+                "e2e_s": now - s.req.created,
+            },
+        }
+
+    def _speculative(
+        self, req: ServeRequest, enabled: bool, stats: SpecStats, proposer_error: str | None = None
+    ) -> dict[str, Any]:
+        """The ``speculative`` object of a response (see :mod:`specdecode.serve.app`)."""
+        out = {
+            "enabled": enabled,
+            "proposer": req.proposer if enabled else None,
+            "num_speculative_tokens": req.max_k if enabled else 0,
+            "mode": self.settings.speculation,
+            "drafts": stats.drafts,
+            "draft_tokens": stats.draft_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "target_forward_passes": stats.target_forward_passes,
+            "lossless": True,
+        }
+        if proposer_error is not None:
+            out["proposer_error"] = proposer_error
+        return out
+
+    def _finish(self, s: _Sequence, reason: str, new_ids: list[int] | None = None, new_text: str = "") -> None:
+        s.finish_reason = reason
+        info = self.summary(s)
+        timings = info["timings"]
+        self.metrics.request_success.labels(finished_reason=reason).inc()
+        self.metrics.e2e.observe(timings["e2e_s"])
+        if s.first_token is not None and len(s.generated) > 1:
+            self.metrics.tpot.observe((timings["finished"] - s.first_token) / (len(s.generated) - 1))
+        self._audit(s.req, reason, info, s.error)
+        self._send(s.req, Event(new_ids or [], new_text, reason, info, s.error))
+        if reason not in ("stop", "length"):  # aborted / timed out / failed mid-step: leave now
+            self._free(s)
+
+    def _reject(self, req: ServeRequest, reason: str, message: str) -> None:
+        """End a request that never joined the batch."""
+        self.metrics.request_success.labels(finished_reason=reason).inc()
+        now = time.time()
+        info = {
+            "usage": usage(len(req.prompt_ids), 0),
+            "speculative": self._speculative(req, False, SpecStats()),
+            "timings": {"created": req.created, "finished": now, "e2e_s": now - req.created},
+        }
+        self._audit(req, reason, info, message)
+        self._send(req, Event([], "", reason, info, message))
+
+    def _audit(self, req: ServeRequest, reason: str, info: dict[str, Any], error: str | None) -> None:
+        if self.audit is None:
+            return
+        t = info["timings"]
+        record = {
+            "request_id": req.request_id,
+            "endpoint": req.endpoint,
+            "status": {"stop": "finished", "length": "finished"}.get(reason, reason),
+            "finish_reason": reason,
+            "error": error,
+            **{key: t.get(key) for key in ("created", "started", "first_token", "finished")},
+            "created_iso": iso(t.get("created")),
+            "finished_iso": iso(t.get("finished")),
+            **{key: t.get(key) for key in ("queue_s", "ttft_s", "e2e_s")},
+            "settings": req.audit_settings,
+            "usage": info["usage"],
+            "speculative": info["speculative"],
+        }
+        try:
+            self.audit.write(record, req.audit_prompt)
+        except OSError as e:
+            log.error("audit log: could not write %s: %s", self.audit.path, e)
+
+    @staticmethod
+    def _send(req: ServeRequest, event: Event) -> None:
+        try:
+            req.on_event(event)
+        except Exception as error:  # the client's loop is gone (server shutting down)
+            log.debug("could not deliver an event of %s: %s", req.request_id, error)

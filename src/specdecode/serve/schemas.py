@@ -1,0 +1,149 @@
+"""Request bodies of the OpenAI API, with specdecode's extensions (pydantic models).
+
+Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client through ``extra_body``):
+
+- ``speculative`` (bool, default true): false decodes with the target alone;
+- ``proposer`` (str): a proposer name (``GET /v1/models`` lists those the server can run);
+- ``num_speculative_tokens`` (int, 1 .. 64): k, the most tokens drafted per step;
+- ``top_k`` (int >= 0, 0 = off; -1 is read as off, as in vLLM);
+- ``return_token_ids`` (bool): add the prompt's and the completion's token ids to the choice;
+- ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
+
+Standard fields that would change what is decoded but are not implemented (``logprobs``,
+``echo``, ``best_of`` > 1, ``n`` > 1, penalties, ``logit_bias``, ``suffix``, tools, response
+formats) are refused with a message naming them, never silently ignored. Unknown fields are
+ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_SPECULATIVE_TOKENS = 64
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    user: str | None = None
+    # specdecode extensions
+    speculative: bool | None = None
+    proposer: str | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    return_token_ids: bool | None = False
+    ignore_eos: bool | None = False
+    # standard fields that are refused unless left at their neutral values
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError("only n = 1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else stop or []
+        if any(not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        if len(items) > 16:
+            raise ValueError("at most 16 stop strings")
+        return stop
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Common:
+        if self.logprobs not in (None, False, 0):
+            raise ValueError("logprobs is not supported by this server")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name} is not supported by this server (it would change the target's distribution)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``. ``prompt`` is a string or a list of token ids (one prompt per request)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_completion_extras(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported by this server (only 1)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: the tokenizer's chat template renders ``messages``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_chat_extras(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported by this server")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported by this server")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

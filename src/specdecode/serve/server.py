@@ -1,0 +1,98 @@
+"""Assemble a server from model objects, and run one in a background thread (tests, notebooks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from transformers import PreTrainedModel
+
+from specdecode.errors import IncompatibleModelsError
+from specdecode.serve.audit import AuditLog
+from specdecode.serve.config import ServeSettings
+from specdecode.serve.cost import CostModel
+from specdecode.serve.metrics import ServeMetrics
+from specdecode.serve.scheduler import Scheduler
+
+
+def build_app(
+    target: PreTrainedModel,
+    tokenizer: Any,
+    settings: ServeSettings | None = None,
+    draft: PreTrainedModel | None = None,
+    cost: CostModel | None = None,
+) -> tuple[FastAPI, Scheduler]:
+    """The FastAPI app and its scheduler for loaded models (the scheduler starts with the app).
+
+    Args:
+        target: the target causal LM.
+        tokenizer: the target's tokenizer.
+        settings: :class:`ServeSettings` (defaults if None).
+        draft: the draft model, for proposers that need one; must share the target's vocabulary.
+        cost: a measured cost model (None: measured at start-up in ``adaptive`` mode).
+
+    Raises:
+        IncompatibleModelsError: the draft's vocabulary size differs from the target's.
+        ValueError: bad settings (the message names the flag).
+        OSError: the audit log cannot be opened.
+    """
+    from specdecode.serve.app import create_app
+
+    settings = settings or ServeSettings()
+    if draft is not None:
+        sizes = [int(m.get_output_embeddings().weight.shape[0]) for m in (target, draft)]
+        if sizes[0] != sizes[1]:
+            raise IncompatibleModelsError(
+                f"draft vocabulary size {sizes[1]} differs from the target's {sizes[0]}; "
+                "the draft must share the target's tokenizer"
+            )
+    audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
+    scheduler = Scheduler(target, tokenizer, settings, draft=draft, metrics=ServeMetrics(), audit=audit, cost=cost)
+    return create_app(scheduler, settings, tokenizer), scheduler
+
+
+class BackgroundServer:
+    """``uvicorn`` serving ``app`` in a daemon thread on a loopback port; a context manager.
+
+    Args:
+        app: the ASGI app.
+        host: interface to bind (default loopback).
+        port: 0 picks a free port.
+        startup_timeout_s: how long to wait for start-up (the cost model is measured then).
+
+    Attributes:
+        url: ``http://host:port`` once entered.
+
+    Raises:
+        RuntimeError: the server did not start in time.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 120.0) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.startup_timeout_s = startup_timeout_s
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()

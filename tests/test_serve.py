@@ -1,0 +1,412 @@
+"""``specdecode serve`` through real HTTP: servers on free loopback ports (uvicorn in a thread), the
+official ``openai`` client and plain ``httpx``, tiny float32 models."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdecode.cli import main
+from specdecode.serve.config import ServeSettings
+from specdecode.serve.server import BackgroundServer, build_app
+
+from conftest import make_tiny_model, perturbed_copy
+from reference import target_only_greedy
+
+PROMPTS = ["def add(a, b):", "for i in range(10):", "The quick brown fox", "class Stack:", "def is_prime(n):"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models run fastest on one thread; two spin-waiting threads on a busy 2-core machine crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer):
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    return target, perturbed_copy(target, noise=0.01)
+
+
+@pytest.fixture(scope="module")
+def long_target(models):
+    """The target with a long context, so that a generation can outlast a disconnect or a timeout."""
+    model = copy.deepcopy(models[0])
+    model.config.max_position_embeddings = 8192  # rotary positions: any length works
+    return model
+
+
+class Server:
+    def __init__(self, target, tokenizer, draft=None, **options) -> None:
+        self.settings = ServeSettings(**{"model_name": "tiny", **options})
+        self.app, self.scheduler = build_app(target, tokenizer, self.settings, draft=draft)
+        self.background = BackgroundServer(self.app)
+
+    def __enter__(self) -> Server:
+        self.background.__enter__()
+        self.url = self.background.url
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.background.__exit__(*exc)
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(models, tiny_tokenizer, tmp_path_factory):
+    audit = tmp_path_factory.mktemp("audit") / "main.jsonl"
+    target, draft = models
+    with Server(target, tiny_tokenizer, draft, speculation="on", max_batch_size=4, audit_log=str(audit)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def adaptive(models, tiny_tokenizer):
+    """Adaptive speculation with the cost model measured at start-up."""
+    target, draft = models
+    with Server(target, tiny_tokenizer, draft, speculation="adaptive", max_batch_size=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def keyed(long_target, tiny_tokenizer, tmp_path_factory):
+    audit = tmp_path_factory.mktemp("audit") / "keyed.jsonl"
+    with Server(
+        long_target,
+        tiny_tokenizer,
+        proposer="prompt_lookup",
+        api_key="s3cret",
+        max_body_bytes=2000,
+        request_timeout_s=0.3,
+        audit_log=str(audit),
+        audit_log_prompts=True,
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small(long_target, tiny_tokenizer):
+    """One row, one waiting place."""
+    with Server(long_target, tiny_tokenizer, proposer="prompt_lookup", max_batch_size=1, max_queue=1) as s:
+        yield s
+
+
+def greedy_reference(target, tokenizer, prompt_ids: list[int], n: int) -> list[int]:
+    out = target_only_greedy(target, prompt_ids, n)
+    eos = tokenizer.eos_token_id
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def extra(obj, name: str):
+    return (obj.model_extra or {}).get(name)
+
+
+# ---------------------------------------------------------------------------------- endpoints
+def test_models_health_and_metrics(server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert "draft_model" in extra(models.data[0], "proposers")
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specdecode_num_requests_waiting", "specdecode_time_to_first_token_seconds"):
+        assert name in text
+
+
+def test_completion_equals_target_only_greedy(server, models, tiny_tokenizer) -> None:
+    ids = tiny_tokenizer.encode(PROMPTS[0])
+    out = server.client().completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"return_token_ids": True, "num_speculative_tokens": 3},
+    )
+    choice = out.choices[0]
+    assert extra(choice, "token_ids") == greedy_reference(models[0], tiny_tokenizer, ids, 24)
+    assert choice.text == tiny_tokenizer.decode(extra(choice, "token_ids"), skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(extra(choice, "token_ids"))
+    spec = extra(out, "speculative")
+    assert spec["enabled"] is True and spec["proposer"] == "draft_model" and spec["num_speculative_tokens"] == 3
+    assert spec["lossless"] is True and spec["draft_tokens"] > 0
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
+
+
+def test_speculative_false_and_other_proposers_give_the_same_text(server) -> None:
+    client = server.client()
+    texts = {}
+    for options in ({"speculative": False}, {}, {"proposer": "prompt_lookup"}, {"num_speculative_tokens": 1}):
+        out = client.completions.create(
+            model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0, extra_body=options
+        )
+        spec = extra(out, "speculative")
+        texts[json.dumps(options)] = out.choices[0].text
+        if options.get("speculative") is False:
+            assert spec["enabled"] is False and spec["draft_tokens"] == 0 and spec["proposer"] is None
+        else:
+            assert spec["proposer"] == options.get("proposer", "draft_model")
+    assert len(set(texts.values())) == 1
+
+
+def test_chat_completion_and_its_stream(server) -> None:
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert extra(whole, "speculative")["lossless"] is True
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert extra(chunks[-1], "speculative")["draft_tokens"] == extra(whole, "speculative")["draft_tokens"]
+
+
+def test_completion_stream_is_openai_sse(server) -> None:
+    client = server.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    pieces = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sampling_with_a_seed_is_reproducible(server) -> None:
+    client = server.client()
+    runs = [
+        client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=0.9, top_p=0.95, seed=11)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+
+
+# ---------------------------------------------------------------------------------- batching
+def test_concurrent_requests_equal_each_request_alone(adaptive, models, tiny_tokenizer) -> None:
+    client = adaptive.client()
+    jobs = [(p, 10 + 4 * i, 1 + i % 4) for i, p in enumerate(PROMPTS + PROMPTS[:3])]
+    start = threading.Barrier(len(jobs))
+
+    def ask(job, speculative: bool = True, wait: bool = True) -> list[int]:
+        prompt, n, k = job
+        if wait:
+            start.wait()
+        out = client.completions.create(
+            model="tiny",
+            prompt=tiny_tokenizer.encode(prompt),
+            max_tokens=n,
+            temperature=0,
+            extra_body={"return_token_ids": True, "num_speculative_tokens": k, "speculative": speculative},
+        )
+        return extra(out.choices[0], "token_ids")
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(ask, jobs))
+    for job, tokens in zip(jobs, together, strict=True):
+        assert tokens == ask(job, speculative=False, wait=False)
+        assert tokens == greedy_reference(models[0], tiny_tokenizer, tiny_tokenizer.encode(job[0]), job[1])
+    assert adaptive.metric("specdecode_batch_size_count") > 0
+    assert adaptive.scheduler.cost is not None and adaptive.scheduler.cost.target_s[0][0] > 0
+
+
+# ---------------------------------------------------------------------------------- robustness
+BAD = [
+    ({"model": "gpt-4", "prompt": "hi"}, "model"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "tiny", "prompt": [5] * 600}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "hi", "proposer": "nope"}, "proposer"),
+    ({"model": "tiny", "prompt": "hi", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"model": "tiny", "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+    ({"model": "tiny"}, "prompt"),
+    ({"model": "tiny", "prompt": ""}, "prompt"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+]
+
+
+def test_bad_input_gets_400_naming_the_field_and_the_server_keeps_serving(server) -> None:
+    for body, field in BAD:
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert field in error["message"], (body, error)
+        assert error["type"] == "invalid_request_error"
+    chat = {"model": "tiny", "messages": [], "max_tokens": 3}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
+    for raw in (b"{not json", b"[1, 2]", b""):
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, raw
+    assert (
+        "JSON"
+        in httpx.post(
+            server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ).json()["error"]["message"]
+    )
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client().completions.create(model="tiny", prompt="hi", temperature=-1)
+    ok = server.client().completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_api_key_body_limit_and_timeout(keyed) -> None:
+    body = {"model": "tiny", "prompt": "def", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(keyed.url + "/v1/completions", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(keyed.url + "/v1/completions", json=body, headers=wrong).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client("wrong").models.list()
+    assert keyed.client("s3cret").completions.create(**body).choices[0].text is not None
+    assert httpx.get(keyed.url + "/health").status_code == 200  # open without a key
+    assert httpx.get(keyed.url + "/metrics").status_code == 200
+    key = {"Authorization": "Bearer s3cret"}
+    big = {**body, "prompt": "x" * 5000}
+    r = httpx.post(keyed.url + "/v1/completions", json=big, headers=key)
+    assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
+    long = {**body, "max_tokens": 7000, "ignore_eos": True}
+    r = httpx.post(keyed.url + "/v1/completions", json=long, headers=key, timeout=60)
+    assert r.status_code == 504 and "timeout" in r.json()["error"]["message"]
+    assert httpx.post(keyed.url + "/v1/completions", json=body, headers=key).status_code == 200
+    record = [json.loads(line) for line in open(keyed.settings.audit_log)]
+    assert {r["finish_reason"] for r in record} >= {"timeout", "length"}
+    assert all(r["prompt"] == "def" for r in record)  # --audit-log-prompts
+
+
+def wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_queue_full_gets_429_and_a_disconnect_frees_the_slot(small) -> None:
+    client = small.client()
+    stream = client.completions.create(
+        model="tiny", prompt="def", max_tokens=7000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    next(chunks), next(chunks)  # the only row is busy
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.completions.create, model="tiny", prompt="for", max_tokens=3, temperature=0)
+        wait_for(lambda: small.metric("specdecode_num_requests_waiting") == 1)
+        with pytest.raises(openai.RateLimitError, match="max-queue"):
+            client.completions.create(model="tiny", prompt="class", max_tokens=3, temperature=0)
+        stream.close()  # the client goes away mid-stream
+        assert waiting.result(timeout=60).choices[0].finish_reason in ("stop", "length")
+    wait_for(lambda: small.metric("specdecode_request_success_total", finished_reason="abort") == 1)
+    assert small.metric("specdecode_num_requests_running") == 0
+    assert small.metric("specdecode_generation_tokens_total") < 7000
+
+
+# ---------------------------------------------------------------------------------- records
+def test_audit_log_records_each_request_without_its_prompt(server) -> None:
+    out = server.client().completions.create(
+        model="tiny",
+        prompt="class Stack:",
+        max_tokens=5,
+        temperature=0,
+        seed=3,
+        extra_body={"proposer": "prompt_lookup"},
+    )
+    lines = open(server.settings.audit_log).read().splitlines()
+    records = [json.loads(line) for line in lines]
+    mine = [r for r in records if r["request_id"] == out.id]
+    assert len(mine) == 1
+    r = mine[0]
+    assert r["status"] == "finished" and r["endpoint"] == "/v1/completions"
+    assert r["created"] <= r["started"] <= r["first_token"] <= r["finished"]
+    assert (
+        r["settings"]["seed"] == 3 and r["settings"]["max_tokens"] == 5 and r["settings"]["proposer"] == "prompt_lookup"
+    )
+    assert r["settings"]["speculation_mode"] == "on" and r["created_iso"].endswith("Z")
+    assert r["speculative"] == extra(out, "speculative")
+    assert r["usage"]["completion_tokens"] == out.usage.completion_tokens
+    assert all("prompt" not in r for r in records)
+    assert "class Stack" not in "".join(lines)
+
+
+def test_metrics_count_requests_tokens_and_speculation(server) -> None:
+    names = [
+        "specdecode_spec_decode_num_drafts_total",
+        "specdecode_spec_decode_num_draft_tokens_total",
+        "specdecode_spec_decode_num_accepted_tokens_total",
+        "specdecode_generation_tokens_total",
+        "specdecode_time_to_first_token_seconds_count",
+        "specdecode_e2e_request_latency_seconds_count",
+        "specdecode_time_per_output_token_seconds_count",
+    ]
+    before = {n: server.metric(n) for n in names}
+    per_pos = [
+        server.metric("specdecode_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)
+    ]
+    ok = {"endpoint": "/v1/completions", "status": "200"}
+    requests_before = server.metric("specdecode_requests_total", **ok)
+    out = server.client().completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=30, temperature=0)
+    spec = extra(out, "speculative")
+    delta = {n: server.metric(n) - before[n] for n in names}
+    assert delta["specdecode_spec_decode_num_drafts_total"] == spec["drafts"] > 0
+    assert delta["specdecode_spec_decode_num_draft_tokens_total"] == spec["draft_tokens"]
+    assert delta["specdecode_spec_decode_num_accepted_tokens_total"] == spec["accepted_tokens"]
+    assert delta["specdecode_generation_tokens_total"] == out.usage.completion_tokens
+    assert delta["specdecode_time_to_first_token_seconds_count"] == 1
+    assert delta["specdecode_e2e_request_latency_seconds_count"] == 1
+    assert delta["specdecode_time_per_output_token_seconds_count"] == 1
+    per_pos_after = [
+        server.metric("specdecode_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)
+    ]
+    assert sum(per_pos_after) - sum(per_pos) == spec["accepted_tokens"]
+    assert server.metric("specdecode_requests_total", **ok) == requests_before + 1
+
+
+# ---------------------------------------------------------------------------------- CLI
+def test_serve_cli_checks_flags_before_loading_models(capsys) -> None:
+    assert main(["serve", "--max-batch-size", "0", "--target", "/no/such/model"]) == 2
+    assert "--max-batch-size" in capsys.readouterr().err
+    assert main(["serve", "--request-timeout", "0", "--target", "/no/such/model"]) == 2
+    assert "--request-timeout" in capsys.readouterr().err
+    assert main(["serve", "--target", "/no/such/model"]) == 2
+    assert "--target" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--speculation", "sometimes"])

@@ -1,0 +1,301 @@
+"""The scheduler driven step by step in the test's thread (``start(thread=False)`` + ``run_once``):
+continuous batching with joins and leaves, per-row speculation and rollback, stops, aborts,
+timeouts, the KV budget and the queue bound. Greedy output must equal target-only decoding."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdecode.sampling import SamplingParams
+from specdecode.serve.config import ServeSettings
+from specdecode.serve.cost import CostModel
+from specdecode.serve.scheduler import (
+    Event,
+    InvalidRequestError,
+    QueueFullError,
+    Scheduler,
+    ServeRequest,
+)
+
+from conftest import make_tiny_model, perturbed_copy
+from reference import target_only_greedy
+
+FLAT = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]])  # memory-bound: speculation always pays
+STEEP = CostModel([1, 8], [1, 9], [[1.0, 9.0], [8.0, 72.0]])  # compute-bound: it never does
+_ids = itertools.count()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models run fastest on one thread; two spin-waiting threads on a busy 2-core machine crawl."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer):
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    return target, perturbed_copy(target, noise=0.01)
+
+
+def make(models, tokenizer, cost: CostModel | None = FLAT, **options) -> Scheduler:
+    target, draft = models
+    settings = ServeSettings(**{"model_name": "tiny", "max_batch_size": 4, "kv_budget_tokens": 4096, **options})
+    scheduler = Scheduler(target, tokenizer, settings, draft=draft, cost=cost)
+    scheduler.start(thread=False)
+    return scheduler
+
+
+class Client:
+    """One request and the events it received."""
+
+    def __init__(self, prompt: list[int], max_tokens: int, **options) -> None:
+        self.events: list[Event] = []
+        sampling = SamplingParams(
+            temperature=options.pop("temperature", 0.0),
+            seed=options.pop("seed", None),
+            max_new_tokens=max_tokens,
+            stop=options.pop("stop", ()),
+        )
+        speculative = options.pop("speculative", True)
+        self.req = ServeRequest(
+            request_id=f"req-{next(_ids)}",
+            prompt_ids=prompt,
+            sampling=sampling,
+            speculative=speculative,
+            proposer=options.pop("proposer", "draft_model") if speculative else None,
+            num_speculative_tokens=options.pop("k", 3),
+            on_event=self.events.append,
+            **options,
+        )
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def final(self) -> Event | None:
+        return self.events[-1] if self.events and self.events[-1].finish_reason else None
+
+
+def run(scheduler: Scheduler, limit: int = 2000) -> int:
+    """Run until idle; returns the largest batch seen."""
+    peak = 0
+    for _ in range(limit):
+        busy = scheduler.run_once()
+        peak = max(peak, len(scheduler.active))
+        if not busy:
+            return peak
+    raise AssertionError("the scheduler did not finish")
+
+
+def reference(target, tokenizer, prompt: list[int], n: int) -> list[int]:
+    """Greedy target-only tokens, cut after the first EOS (the server stops there)."""
+    out = target_only_greedy(target, prompt, n)
+    eos = tokenizer.eos_token_id
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    texts = ["def add(a, b):", "for i in range(10):", "The quick brown fox", "class Stack:", "def is_prime(n):"]
+    return [tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize(
+    ("speculation", "cost", "drafts"),
+    [("on", None, True), ("adaptive", FLAT, True), ("adaptive", STEEP, False), ("off", None, False)],
+)
+def test_continuous_batching_is_exact(models, tiny_tokenizer, speculation, cost, drafts) -> None:
+    target, _ = models
+    scheduler = make(models, tiny_tokenizer, cost=cost, speculation=speculation)
+    ps = prompts(tiny_tokenizer)
+    first = [
+        Client(ps[0], 30),
+        Client(ps[1], 10, speculative=False),
+        Client(ps[2], 20, k=2),
+    ]
+    for c in first:
+        scheduler.submit(c.req)
+    for _ in range(3):
+        scheduler.run_once()
+    assert len(scheduler.active) == 3
+    later = [Client(ps[3], 15, proposer="prompt_lookup"), Client(ps[4], 25, k=5), Client(ps[0], 12, k=1)]
+    for c in later:  # join a running batch (4 rows at most: one waits for a leave)
+        scheduler.submit(c.req)
+    peak = run(scheduler)
+    assert peak == 4
+    for c in first + later:
+        assert c.final is not None and c.final.finish_reason in ("stop", "length")
+        want = reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
+        assert c.tokens == want
+        spec = c.final.summary["speculative"]
+        assert spec["lossless"] is True
+        assert spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert first[1].final.summary["speculative"]["draft_tokens"] == 0  # speculative=False
+    drafted = sum(c.final.summary["speculative"]["draft_tokens"] for c in first + later)
+    assert (drafted > 0) == drafts
+    assert scheduler.reserved == 0 and scheduler.runner.num_rows == 0
+
+
+def test_sampled_output_does_not_depend_on_the_batch(models, tiny_tokenizer) -> None:
+    scheduler = make(models, tiny_tokenizer, speculation="on")
+    ps = prompts(tiny_tokenizer)
+    alone = Client(ps[0], 20, temperature=0.8, seed=7)
+    scheduler.submit(alone.req)
+    run(scheduler)
+    crowd = [Client(p, 20, temperature=1.0, seed=i) for i, p in enumerate(ps[1:])]
+    again = Client(ps[0], 20, temperature=0.8, seed=7)
+    for c in crowd[:2] + [again] + crowd[2:]:
+        scheduler.submit(c.req)
+    run(scheduler)
+    assert again.tokens == alone.tokens
+    assert len(set(map(tuple, [c.tokens for c in crowd]))) == len(crowd)
+
+
+def test_stop_string_ends_the_text_before_it(models, tiny_tokenizer) -> None:
+    scheduler = make(models, tiny_tokenizer, speculation="on")
+    prompt = prompts(tiny_tokenizer)[3]
+    full = Client(prompt, 30)
+    scheduler.submit(full.req)
+    run(scheduler)
+    text = full.text
+    assert len(text) > 8
+    stop = text[4:7]
+    cut = Client(prompt, 30, stop=(stop,))
+    scheduler.submit(cut.req)
+    run(scheduler)
+    assert cut.text == text[: text.find(stop)]
+    assert cut.final.finish_reason == "stop"
+
+
+def test_abort_frees_the_row_and_the_reservation(models, tiny_tokenizer) -> None:
+    scheduler = make(models, tiny_tokenizer)
+    ps = prompts(tiny_tokenizer)
+    long, short = Client(ps[0], 200), Client(ps[1], 5)
+    scheduler.submit(long.req)
+    scheduler.submit(short.req)
+    scheduler.run_once()
+    scheduler.run_once()
+    scheduler.abort(long.req.request_id)
+    scheduler.run_once()
+    assert long.final.finish_reason == "abort"
+    assert len(long.tokens) < 200
+    assert [s.req.request_id for s in scheduler.active] in ([short.req.request_id], [])
+    run(scheduler)
+    assert short.final.finish_reason in ("stop", "length")
+    assert scheduler.reserved == 0
+
+
+def test_kv_budget_bounds_the_batch_and_the_queue_bounds_the_waiting(models, tiny_tokenizer) -> None:
+    ps = prompts(tiny_tokenizer)
+    clients = [Client(p, 10) for p in ps[:3]]
+    probe = make(models, tiny_tokenizer)
+    budget = probe.reservation(clients[0].req) + probe.reservation(clients[1].req)
+    scheduler = make(models, tiny_tokenizer, kv_budget_tokens=budget, max_queue=4)
+    for c in clients:
+        scheduler.submit(c.req)
+    extra = Client(ps[3], 10)
+    scheduler.submit(extra.req)
+    with pytest.raises(QueueFullError, match="max-queue"):
+        scheduler.submit(Client(ps[4], 10).req)
+    scheduler.run_once()
+    assert len(scheduler.active) == 2 and scheduler.reserved <= budget
+    assert run(scheduler) == 2
+    assert all(c.final.finish_reason in ("stop", "length") for c in clients + [extra])
+
+
+def test_timeout_ends_the_request(models, tiny_tokenizer) -> None:
+    scheduler = make(models, tiny_tokenizer)
+    c = Client(prompts(tiny_tokenizer)[0], 50, deadline=-math.inf)
+    scheduler.submit(c.req)
+    run(scheduler)
+    assert c.final.finish_reason == "timeout" and "timeout" in c.final.error
+
+
+def test_a_proposer_that_fails_to_build_fails_its_request_only(models, tiny_tokenizer, monkeypatch) -> None:
+    import specdecode.serve.scheduler as module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    scheduler = make(models, tiny_tokenizer)
+    monkeypatch.setattr(module, "make_proposer", broken)
+    bad, good = Client(prompts(tiny_tokenizer)[0], 5), Client(prompts(tiny_tokenizer)[1], 5, speculative=False)
+    scheduler.submit(bad.req)
+    scheduler.submit(good.req)
+    run(scheduler)
+    assert bad.final.finish_reason == "error" and "boom" in bad.final.error
+    assert good.final.finish_reason in ("stop", "length")
+    assert scheduler.reserved == 0
+
+
+def test_validation_names_the_field(models, tiny_tokenizer) -> None:
+    scheduler = make(models, tiny_tokenizer, kv_budget_tokens=64)
+    cases = [
+        (Client([1] * 600, 5), "prompt"),
+        (Client([], 5), "prompt"),
+        (Client([10_000], 5), "prompt"),
+        (Client([5, 6], 100), "max_tokens"),
+        (Client([5, 6], 5, proposer="no_such"), "proposer"),
+    ]
+    for client, param in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            scheduler.submit(client.req)
+        assert info.value.param == param
+
+
+def test_drafts_and_verification_use_the_row_generators(models, tiny_tokenizer) -> None:
+    """Same seed, same k per step (speculation on): the same sample whatever the seed of others."""
+    scheduler = make(models, tiny_tokenizer, speculation="on")
+    p = prompts(tiny_tokenizer)[2]
+    a, b = Client(p, 15, temperature=0.9, seed=3), Client(p, 15, temperature=0.9, seed=3)
+    scheduler.submit(a.req)
+    scheduler.submit(Client(p, 15, temperature=0.9, seed=4).req)
+    run(scheduler)
+    scheduler.submit(b.req)
+    run(scheduler)
+    assert a.tokens == b.tokens
+    assert torch.tensor(a.tokens).numel() > 0
+
+
+def test_a_proposer_that_fails_mid_generation_is_dropped_and_the_output_stays_exact(models, tiny_tokenizer) -> None:
+    target, _ = models
+    scheduler = make(models, tiny_tokenizer, speculation="on")
+    c = Client(prompts(tiny_tokenizer)[0], 20)
+    scheduler.submit(c.req)
+    scheduler.run_once()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("draft exploded")
+
+    scheduler.active[0].proposer.propose = broken
+    run(scheduler)
+    assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, 20)
+    spec = c.final.summary["speculative"]
+    assert spec["enabled"] is True and "draft exploded" in spec["proposer_error"]
+
+
+def test_prefill_in_groups_with_requests_that_end_at_their_first_token(models, tiny_tokenizer, monkeypatch) -> None:
+    import specdecode.serve.scheduler as module
+
+    monkeypatch.setattr(module, "MAX_PREFILL_TOKENS", 12)  # every prompt its own group
+    target, _ = models
+    scheduler = make(models, tiny_tokenizer)
+    clients = [Client(p, n) for p, n in zip(prompts(tiny_tokenizer), [1, 6, 1, 9], strict=False)]
+    for c in clients:
+        scheduler.submit(c.req)
+    scheduler.run_once()
+    assert [len(c.tokens) for c in clients if c.final] == [1, 1]  # left after their first token
+    run(scheduler)
+    for c in clients:
+        assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
