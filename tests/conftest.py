@@ -57,6 +57,16 @@ def perturbed_copy(model: Qwen2ForCausalLM, noise: float, seed: int = 1) -> Qwen
     return draft
 
 
+def constant_target() -> Qwen2ForCausalLM:
+    """A target whose greedy output is always token 0: its final norm is zeroed, so every logit
+    is exactly 0 and the argmax is the first index, in any batch shape (a draft that proposes 0s
+    agrees fully)."""
+    model = make_tiny_model(seed=0)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    return model
+
+
 def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on a few lines of code and prose, with a chat template and an
     end-of-turn token ``<|end|>`` as EOS."""

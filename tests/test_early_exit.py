@@ -25,15 +25,6 @@ from stat_checks import P_MIN, chi_square_p
 PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42], [7]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run several times faster on one thread (no oversubscription of shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True)
 def empty_cache(tmp_path, monkeypatch):
     """No calibration file from the user's cache leaks into a test."""

@@ -9,7 +9,7 @@ from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.proposers import PromptLookupConfig, PromptLookupProposer, make_proposer
 from specdecode.proposers.prompt_lookup import find_continuation
 
-from conftest import make_tiny_model
+from conftest import constant_target, make_tiny_model
 from reference import exact_marginals, target_only_greedy
 from stat_checks import P_MIN, chi_square_p
 
@@ -60,15 +60,6 @@ def test_bad_config(kwargs: dict, name: str) -> None:
 def test_unknown_proposer() -> None:
     with pytest.raises(ValueError, match="proposer must be one of"):
         make_proposer("medusa")
-
-
-def constant_target():
-    """A target whose greedy output is always token 0: its final norm is zeroed, so every logit
-    is exactly 0 and the argmax is the first index, in any batch shape."""
-    model = make_tiny_model(seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.zero_()
-    return model
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

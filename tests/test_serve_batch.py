@@ -25,15 +25,6 @@ from conftest import make_tiny_model
 ATOL = 1e-4  # float32, different reduction lengths (padded keys): differences are ~1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest on one thread; two spin-waiting threads on a busy 2-core machine crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tokens(g: torch.Generator, n: int) -> torch.Tensor:
     return torch.randint(0, 96, (n,), generator=g)
 

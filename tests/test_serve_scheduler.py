@@ -29,15 +29,6 @@ STEEP = CostModel([1, 8], [1, 9], [[1.0, 9.0], [8.0, 72.0]])  # compute-bound: i
 _ids = itertools.count()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest on one thread; two spin-waiting threads on a busy 2-core machine crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models(tiny_tokenizer):
     target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)

@@ -16,21 +16,11 @@ from specdecode.proposers import SuffixConfig, SuffixProposer, make_proposer
 from specdecode.proposers.suffix import SuffixIndex
 from specdecode.verify import VerifyResult
 
-from conftest import make_tiny_model
+from conftest import constant_target, make_tiny_model
 from reference import exact_marginals, target_only_greedy
 from stat_checks import P_MIN, chi_square_p
 
 GREEDY = SamplingParams()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread: on a busy 2-core machine, two threads thrash (the
-    sampling test takes ~15 s instead of minutes). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def a(ids: list[int]) -> np.ndarray:
@@ -274,14 +264,6 @@ def test_registered_with_its_options() -> None:
 
 
 # ---------------------------------------------------------------------------- lossless decoding
-def constant_target():
-    """A target whose greedy output is always token 0 (final norm zeroed: every logit is 0)."""
-    model = make_tiny_model(seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.zero_()
-    return model
-
-
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_equals_target_only(tiny_target, k: int) -> None:
     cases = {

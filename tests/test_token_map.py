@@ -36,15 +36,6 @@ PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42], [7]]
 NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Recording(DraftModelProposer):
     """A draft-model proposer that records every token it drafts (also shows subclassing works)."""
 
