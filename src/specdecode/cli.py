@@ -43,6 +43,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         help="k per step: constant (default), heuristic (grow after full acceptance, shrink after a "
         "rejection), adaptive (heuristic + measured fallback to plain decoding)",
     )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="draft a token tree instead of a chain: a shape name (default, tree8 .. tree32), a JSON file "
+        "of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model and prompt_lookup",
+    )
 
 
 def _option_type(default: Any, annotation: str) -> type:
@@ -132,6 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = sampling_from_args(args)  # validate cheap input before loading anything
     check_num_speculative_tokens(args.num_speculative_tokens)
+    if args.tree is not None:
+        from specdecode.tree import parse_tree
+
+        parse_tree(args.tree)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
     generator = SpeculativeGenerator.from_pretrained(
@@ -142,7 +152,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **({} if args.no_speculation else proposer_options(args)),
     )
     call = dict(
-        sampling=sampling, num_speculative_tokens=args.num_speculative_tokens, raw=args.raw, schedule=args.schedule
+        sampling=sampling,
+        num_speculative_tokens=args.num_speculative_tokens,
+        raw=args.raw,
+        schedule=args.schedule,
+        tree=args.tree,
     )
     speculative = not args.no_speculation
     if args.json:

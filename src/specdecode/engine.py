@@ -34,7 +34,8 @@ from specdecode.sampling import SamplingParams
 from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.text import StopStringStream
-from specdecode.verify import verify
+from specdecode.tree import TreeSpec, parse_tree, tree_attention
+from specdecode.verify import VerifyResult, verify, verify_tree
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -213,6 +214,7 @@ class SpeculativeGenerator:
         proposer: Proposer | None,
         stats: SpecStats,
         generator: torch.Generator,
+        tree: TreeSpec | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield the new tokens of each target pass (int64 ``[n + 1]``); the caller decides when to stop."""
         target = self.target
@@ -234,6 +236,9 @@ class SpeculativeGenerator:
             yield result.tokens
             # context[:T] is known; the target has cached context[:T - 1].
             room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
+            if tree is not None and proposer is not None and room > 0:
+                result = self._tree_step(context[:T], tree, room, proposer, sampling, stats, generator)  # 1.-5.
+                continue
             k_step = min(schedule.next_k(), room) if proposer is not None else 0
             tic = time.perf_counter()
             draft = (
@@ -254,6 +259,43 @@ class SpeculativeGenerator:
             stats.observe(len(draft), result.num_accepted)  # 5.
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
 
+    @staticmethod
+    def _check_tree(tree: str | TreeSpec, proposer: Proposer, plan: SpeculationSchedule) -> TreeSpec:
+        spec = parse_tree(tree)
+        if not hasattr(proposer, "propose_tree"):
+            raise ValueError(f"tree: the {proposer.name!r} proposer drafts chains only (it has no propose_tree)")
+        if plan.kind != "constant":
+            raise ValueError(f"tree: token trees use a fixed shape; schedule must be 'constant', got {plan.kind!r}")
+        return spec
+
+    def _tree_step(
+        self,
+        context: torch.Tensor,
+        tree: TreeSpec,
+        room: int,
+        proposer: Proposer,
+        sampling: SamplingParams,
+        stats: SpecStats,
+        generator: torch.Generator,
+    ) -> VerifyResult:
+        """Steps 1-5 of the loop with a token tree (:mod:`specdecode.tree`); ``context`` int64 ``[T]``."""
+        target = self.target
+        tic = time.perf_counter()
+        draft = proposer.propose_tree(context, tree, sampling, generator).prune(room)  # type: ignore[attr-defined]
+        toc = time.perf_counter()
+        depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
+        cached = target.length  # T - 1
+        attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
+        logits = target.forward_masked(torch.cat([context[-1:], draft.ids]), cached + depths, attend)  # 2. (N + 1, V)
+        stats.draft_time_s += toc - tic
+        stats.target_time_s += time.perf_counter() - toc
+        stats.target_forward_passes += 1
+        result = verify_tree(draft.ids, draft.parents, logits, sampling, generator)  # 3.
+        target.compact(cached + torch.cat([torch.zeros(1, dtype=torch.int64), result.path]))  # 4. root + path
+        proposer.observe(result)
+        stats.observe(len(draft), result.num_accepted, depth=int(depths.max()))  # 5.
+        return result
+
     def stream_tokens(
         self,
         prompt: str | Sequence[int],
@@ -262,6 +304,7 @@ class SpeculativeGenerator:
         raw: bool = False,
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
+        tree: str | TreeSpec | None = None,
     ) -> Iterator[tuple[list[int], str, GenerationResult]]:
         """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
 
@@ -272,22 +315,24 @@ class SpeculativeGenerator:
         k = check_num_speculative_tokens(num_speculative_tokens)
         plan = SpeculationSchedule(k, schedule)
         proposer = self.proposer if speculative else None
+        spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         prompt_ids = self.encode_prompt(prompt, raw=raw)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         stats = SpecStats(
-            num_speculative_tokens=plan.max_k if proposer else 0,
+            num_speculative_tokens=(spec_tree.depth if spec_tree else plan.max_k) if proposer else 0,
             proposer=proposer.name if proposer else "none",
             schedule=plan.kind if proposer else "none",
+            tree=spec_tree.name if spec_tree else "none",
             dtype=self.dtype,
             prompt_tokens=int(prompt_ids.shape[0]),
         )
         result = GenerationResult("", [], "length", stats)
         text = StopStringStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
         limit = min(sampling.max_new_tokens, self.target.max_length - prompt_ids.shape[0])
-        steps = self._steps(prompt_ids, sampling, plan, proposer, stats, generator)
+        steps = self._steps(prompt_ids, sampling, plan, proposer, stats, generator, spec_tree)
         try:
             for tokens in steps:
                 if not result.token_ids:
@@ -323,6 +368,7 @@ class SpeculativeGenerator:
         raw: bool = False,
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
+        tree: str | TreeSpec | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -337,6 +383,11 @@ class SpeculativeGenerator:
                 after a fully accepted draft, shrink after a rejection) or ``"adaptive"`` (the
                 heuristic plus a measured fallback to plain decoding), or a
                 :class:`~specdecode.schedule.ScheduleConfig`. See :mod:`specdecode.schedule`.
+            tree: draft a token tree instead of a chain (:mod:`specdecode.tree`): a static shape's
+                name (``"default"``, ``"tree16"``, ...), a JSON file of paths, ``"dynamic:N"``
+                (EAGLE-2 style, N nodes), or a compiled tree. Needs a proposer with
+                ``propose_tree`` and the ``constant`` schedule; ``num_speculative_tokens`` is
+                then unused (the tree's depth plays its part).
 
         Returns:
             :class:`GenerationResult`. Two calls with the same seed return the same result.
@@ -345,7 +396,9 @@ class SpeculativeGenerator:
             ValueError: bad prompt or parameter (the message names it).
         """
         result = GenerationResult("", [], "length")
-        for _, _, result in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative, schedule):
+        for _, _, result in self.stream_tokens(
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree
+        ):
             pass
         return result
 
@@ -357,8 +410,11 @@ class SpeculativeGenerator:
         raw: bool = False,
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
+        tree: str | TreeSpec | None = None,
     ) -> Iterator[str]:
         """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
-        for _, piece, _ in self.stream_tokens(prompt, sampling, num_speculative_tokens, raw, speculative, schedule):
+        for _, piece, _ in self.stream_tokens(
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree
+        ):
             if piece:
                 yield piece

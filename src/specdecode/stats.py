@@ -23,6 +23,8 @@ class SpecStats:
         dtype: the target's dtype, e.g. ``"bfloat16"``.
         schedule: how k was chosen per step (``"constant"``, ``"heuristic"``, ``"adaptive"``;
             ``"none"`` without speculation); with a varying k, ``num_speculative_tokens`` is its ceiling.
+        tree: the token tree's name (``"none"`` for chains); with a tree, ``num_speculative_tokens``
+            is its depth, positions are depths, and ``draft_tokens`` counts tree nodes.
         plain_steps: steps the schedule decoded without a draft (adaptive fallback and its measurements).
         fallbacks: times the adaptive schedule switched speculation off.
         drafts: steps that proposed at least one token.
@@ -44,6 +46,7 @@ class SpecStats:
     proposer: str = "none"
     dtype: str = "float32"
     schedule: str = "none"
+    tree: str = "none"
     plain_steps: int = 0
     fallbacks: int = 0
     drafts: int = 0
@@ -65,23 +68,27 @@ class SpecStats:
         self.accepted_per_position = self.accepted_per_position or [0] * k
         self.drafted_per_position = self.drafted_per_position or [0] * k
 
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
         """Record one verification step that drafted ``num_drafted`` and accepted ``num_accepted``.
 
+        For a token tree, ``num_drafted`` is its node count and ``depth`` its depth (the positions
+        it drafted); for a chain ``depth`` is ``num_drafted``.
+
         Raises:
-            ValueError: ``num_accepted`` outside [0, num_drafted] or ``num_drafted`` > k.
+            ValueError: ``num_accepted`` outside [0, depth], ``depth`` > k or ``depth`` > ``num_drafted``.
         """
-        if not 0 <= num_accepted <= num_drafted <= self.num_speculative_tokens:
+        depth = num_drafted if depth is None else depth
+        if not 0 <= num_accepted <= depth <= min(num_drafted, self.num_speculative_tokens):
             raise ValueError(
-                f"need 0 <= num_accepted ({num_accepted}) <= num_drafted ({num_drafted}) <= k "
-                f"({self.num_speculative_tokens})"
+                f"need 0 <= num_accepted ({num_accepted}) <= depth ({depth}) <= num_drafted ({num_drafted}) "
+                f"and depth <= k ({self.num_speculative_tokens})"
             )
         if num_drafted == 0:
             return
         self.drafts += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
-        for i in range(num_drafted):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
 
@@ -134,6 +141,7 @@ class SpecStats:
             "proposer": self.proposer,
             "dtype": self.dtype,
             "schedule": self.schedule,
+            "tree": self.tree,
             "plain_steps": self.plain_steps,
             "fallbacks": self.fallbacks,
         }

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.tree import _check_parents, children_lists
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,13 @@ class VerifyResult:
     Attributes:
         num_accepted: n, how many leading draft tokens were accepted (0..k).
         tokens: int64 ``[n + 1]``: the n accepted draft tokens, then the recovered or bonus token.
+        path: for a token tree, int64 ``[n]``: the accepted nodes (``1 .. N``) from the root down;
+            None for a chain (the accepted nodes are the first n drafts).
     """
 
     num_accepted: int
     tokens: torch.Tensor
+    path: torch.Tensor | None = None
 
     @property
     def next_token(self) -> int:
@@ -182,3 +186,135 @@ def verify(
     if sampling.greedy:
         return greedy_verify(draft_ids, target_logits)
     return rejection_sample(draft_ids, draft_probs, logits_to_probs(target_logits, sampling), generator)
+
+
+# ---------------------------------------------------------------------------------- token trees
+def _check_tree(draft_ids: torch.Tensor, parents: torch.Tensor, target: torch.Tensor) -> list[list[int]]:
+    if draft_ids.dim() != 1 or draft_ids.dtype != torch.int64:
+        raise ValueError(f"draft_ids must be int64 [N], got {draft_ids.dtype} {list(draft_ids.shape)}")
+    N = draft_ids.shape[0]
+    if parents.shape != (N,):
+        raise ValueError(f"parents must be [N] = [{N}], got {list(parents.shape)}")
+    if target.dim() != 2 or target.shape[0] != N + 1:
+        raise ValueError(f"target logits/probs must be [N + 1, V] = [{N + 1}, V], got {list(target.shape)}")
+    return children_lists(_check_parents(parents))
+
+
+def greedy_verify_tree(draft_ids: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Walk down a token tree while some child equals the target's argmax; then add that argmax.
+
+    Exact for the same reason as :func:`greedy_verify`: every accepted node's token is the
+    target's argmax after the root path to it, which is what greedy target-only decoding emits
+    (SpecInfer, Miao et al. 2024, arXiv 2305.09781, greedy case). Among equal siblings the first
+    is taken.
+
+    Args:
+        draft_ids: int64 ``[N]``, tokens of nodes ``1 .. N``.
+        parents: int64 ``[N]``, parent node of nodes ``1 .. N`` (see :mod:`specdecode.tree`).
+        target_logits: ``[N + 1, V]``; row i scores the token after node i's root path.
+
+    Returns:
+        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` and ``path`` ``[n]``.
+
+    Raises:
+        ValueError: shapes, dtypes or parents other than the above.
+    """
+    children = _check_tree(draft_ids, parents, target_logits)
+    best = target_logits.argmax(dim=-1).tolist()  # (N + 1,)
+    ids = draft_ids.tolist()
+    path: list[int] = []
+    node = 0
+    while True:
+        nxt = next((c for c in children[node] if ids[c - 1] == best[node]), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    tokens = [ids[c - 1] for c in path] + [best[node]]
+    return VerifyResult(len(path), torch.tensor(tokens, dtype=torch.int64), torch.tensor(path, dtype=torch.int64))
+
+
+def rejection_sample_tree(
+    draft_ids: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Multi-candidate speculative sampling over a token tree of deterministic proposals.
+
+    Rule (the sequential variant of multi-draft speculative sampling: SpecInfer's recursive
+    rejection, Miao et al. 2024, arXiv 2305.09781, Algorithm 2, with one-hot draft distributions;
+    as in EAGLE's tree sampling): at a node whose target distribution is ``p``, set ``r = p`` and
+    try its children ``x_1, x_2, ...`` in order. Child ``x_j`` is accepted with probability
+    ``r(x_j) / sum(r)``; on rejection set ``r(x_j) = 0`` and try the next. An accepted child becomes
+    the node and the walk continues with its own ``p``; when every child is rejected (or there are
+    none) the recovered / bonus token is drawn from ``r / sum(r)``.
+
+    Why it is exact: each try is the modified rejection sampling of Leviathan et al. with a
+    one-hot ``q`` at ``x_j`` against the current residual target ``r / sum(r)``, which yields
+    exactly ``r / sum(r)``; the residual after a rejection is ``r`` with ``x_j`` removed, so by
+    induction over the children the token emitted at the node is distributed as ``p``:
+    ``P(x_j) = prod_{i<j} (1 - r_i(x_i)) * r_j(x_j) = p(x_j)`` and any other token y gets
+    ``p(y)``. The walk then continues from the emitted token's own distribution, so the sequence is
+    distributed as target-only sampling token by token. This needs the candidates to be chosen
+    without the verifier's randomness (top-ranked proposer tokens, or tokens sampled with
+    independent randomness); they may repeat (a repeated token is then accepted with probability
+    0). The chance to accept some child is ``sum_j p(x_j)`` over distinct candidates.
+
+    Randomness: one uniform per child tried, then one ``torch.multinomial`` draw, from ``generator``.
+
+    Args:
+        draft_ids: int64 ``[N]``, tokens of nodes ``1 .. N``.
+        parents: int64 ``[N]``, parent node of nodes ``1 .. N``.
+        target_probs: float ``[N + 1, V]`` target distributions; row i is for the token after node i.
+        generator: source of randomness (None: torch's default generator).
+
+    Returns:
+        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` and ``path`` ``[n]``.
+
+    Raises:
+        ValueError: shapes, dtypes or parents other than the above.
+    """
+    children = _check_tree(draft_ids, parents, target_probs)
+    ids = draft_ids.tolist()
+    path: list[int] = []
+    node = 0
+    while True:
+        residual = target_probs[node].double().clone()  # (V,)
+        accepted = None
+        for child in children[node]:
+            x = ids[child - 1]
+            total = float(residual.sum())
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+            if total > 0 and u * total < float(residual[x]):
+                accepted = child
+                break
+            residual[x] = 0.0
+        if accepted is None:
+            break
+        path.append(accepted)
+        node = accepted
+    if float(residual.sum()) <= 0.0:  # only by rounding: every token of p was a rejected candidate
+        residual = target_probs[node].double()
+    token = int(torch.multinomial(residual.float(), 1, generator=generator))
+    tokens = [ids[c - 1] for c in path] + [token]
+    return VerifyResult(len(path), torch.tensor(tokens, dtype=torch.int64), torch.tensor(path, dtype=torch.int64))
+
+
+def verify_tree(
+    draft_ids: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Verify a token tree: :func:`greedy_verify_tree` when greedy, else :func:`rejection_sample_tree`
+    on ``p = logits_to_probs(target_logits, sampling)``.
+
+    Args:
+        draft_ids: int64 ``[N]``; parents: int64 ``[N]``; target_logits: float ``[N + 1, V]``.
+        sampling: the request's sampling parameters; generator: randomness for sampling.
+    """
+    if sampling.greedy:
+        return greedy_verify_tree(draft_ids, parents, target_logits)
+    return rejection_sample_tree(draft_ids, parents, logits_to_probs(target_logits, sampling), generator)

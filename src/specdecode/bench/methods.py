@@ -15,7 +15,8 @@ Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``
 
 A proposer method can carry its options and a schedule (:mod:`specdecode.schedule`) in its name:
 ``NAME(option=value,...)+SCHEDULE``, e.g. ``draft_model(token_map=default,draft_vocab_size=32768)``,
-``prompt_lookup+adaptive`` or ``early_exit(exit_layer=8)+heuristic`` (:func:`parse_method`).
+``prompt_lookup+adaptive`` or ``early_exit(exit_layer=8)+heuristic`` (:func:`parse_method`), and a
+token tree after ``@``: ``draft_model@tree16``, ``draft_model@dynamic:16``.
 """
 
 from __future__ import annotations
@@ -171,13 +172,18 @@ def register_method(method: Method) -> Method:
     return method
 
 
-def _engine_run(proposer: str | None, schedule: str = "constant") -> RunFn:
+def _engine_run(proposer: str | None, schedule: str = "constant", tree: str | None = None) -> RunFn:
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
         generator = models.generator(proposer)
         sampling = settings.sampling()
         tic = time.perf_counter()
         result = generator.generate(
-            prompt_ids, sampling, num_speculative_tokens=k or 1, speculative=bool(proposer), schedule=schedule
+            prompt_ids,
+            sampling,
+            num_speculative_tokens=k or 1,
+            speculative=bool(proposer),
+            schedule=schedule,
+            tree=tree,
         )
         return MethodOutput(result.token_ids, time.perf_counter() - tic, result.stats)
 
@@ -229,7 +235,9 @@ register_method(
 )
 
 
-_METHOD_SPEC = re.compile(r"^(?P<name>\w+)(?:\((?P<options>[^()]*)\))?(?:\+(?P<schedule>\w+))?$")
+_METHOD_SPEC = re.compile(
+    r"^(?P<name>\w+)(?:\((?P<options>[^()]*)\))?(?:\+(?P<schedule>\w+))?(?:@(?P<tree>[\w:./-]+))?$"
+)
 
 
 def _option_value(text: str) -> Any:
@@ -257,7 +265,10 @@ def split_methods(text: str) -> list[str]:
 
 
 def parse_method(text: str) -> Method:
-    """The method named ``text``: a registered name, or ``PROPOSER(option=value,...)+SCHEDULE``.
+    """The method named ``text``: a registered name, or ``PROPOSER(option=value,...)+SCHEDULE@TREE``.
+
+    ``@TREE`` drafts token trees (:func:`specdecode.tree.parse_tree`: ``@tree16``,
+    ``@dynamic:16``, ``@shape.json``); a tree method takes no k.
 
     Options are validated here (before any model loads) by the proposer's config dataclass.
 
@@ -273,9 +284,13 @@ def parse_method(text: str) -> Method:
     match = _METHOD_SPEC.match(text)
     if match is None or match["name"] not in PROPOSERS:
         raise ValueError(f"unknown method {text!r}; choose from {sorted(METHODS)}, or PROPOSER(option=value)+SCHEDULE")
-    name, schedule = match["name"], match["schedule"] or "constant"
+    name, schedule, tree = match["name"], match["schedule"] or "constant", match["tree"]
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule in method {text!r} must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if tree is not None:
+        from specdecode.tree import parse_tree
+
+        parse_tree(tree)  # a bad tree fails before any model loads
     options: dict[str, Any] = {}
     for pair in filter(None, (match["options"] or "").split(",")):
         key, sep, value = pair.partition("=")
@@ -293,7 +308,7 @@ def parse_method(text: str) -> Method:
         )
     else:
         PROPOSERS[text] = PROPOSERS[name]
-    return Method(text, _engine_run(text, schedule), uses_k=True, needs_draft=base.needs_draft)
+    return Method(text, _engine_run(text, schedule, tree), uses_k=tree is None, needs_draft=base.needs_draft)
 
 
 def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
@@ -10,6 +12,9 @@ from transformers import DynamicCache, PreTrainedModel
 # Gemma 2/3, ``logit_scale`` in Cohere, ``logits_scaling`` in Granite), with their neutral values:
 # a reduced head (``head_ids``) does not reproduce them and refuses such a model.
 LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+# Models checked to honour custom 4D attention masks and position ids (see ModelRunner.check_masking).
+_MASKING_OK: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
 
 
 def _check_plain_head(model: PreTrainedModel) -> None:
@@ -146,3 +151,149 @@ class ModelRunner:
             # crop(-n) removes n tokens in every transformers version (>= 4.36 and 5.x)
             self.cache.crop(length - self.length)
             self.length = length
+
+    # ------------------------------------------------------------------ token trees
+    @torch.inference_mode()
+    def forward_masked(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor, num_logits: int | None = None
+    ) -> torch.Tensor:
+        """Append ``input_ids`` with explicit positions and attention (token trees).
+
+        The new tokens are written to the cache after the :attr:`length` cached ones, as
+        :meth:`forward` does, but token i gets rotary position ``position_ids[i]`` and attends
+        exactly to the cache entries where ``attend[i]`` is true (a 4D additive mask given to the
+        model ready-made, so that ``transformers`` builds no causal mask of its own).
+
+        Args:
+            input_ids: int64 ``[M]``, M >= 1.
+            position_ids: int64 ``[M]``, each token's position in its sequence.
+            attend: bool ``[M, length + M]``: which cache entries (old and new) token i sees; it
+                must see itself.
+            num_logits: score the last this many tokens (default all M).
+
+        Returns:
+            float32 ``[num_logits, V]`` (``[num_logits, N]`` with :attr:`head_ids`).
+
+        Raises:
+            ValueError: bad shapes, or a model with sliding-window layers or an attention other
+                than sdpa / eager (custom masks are not supported there).
+            NotImplementedError: the model ignores custom masks or position ids
+                (:meth:`check_masking`).
+        """
+        M = int(input_ids.shape[0])
+        L = self.length + M
+        num_logits = M if num_logits is None else num_logits
+        if (
+            position_ids.shape != (M,)
+            or attend.shape != (M, L)
+            or attend.dtype != torch.bool
+            or not 1 <= num_logits <= M
+        ):
+            raise ValueError(
+                f"forward_masked: need input_ids [M], position_ids [M], bool attend [M, {self.length} + M] and "
+                f"1 <= num_logits <= M; got {list(input_ids.shape)}, {list(position_ids.shape)}, "
+                f"{attend.dtype} {list(attend.shape)}, {num_logits}"
+            )
+        self.check_masking()
+        return self._forward_masked(self.model, self.cache, input_ids, position_ids, attend, num_logits)
+
+    def _forward_masked(
+        self,
+        model: PreTrainedModel,
+        cache: DynamicCache,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: torch.Tensor,
+        num_logits: int,
+    ) -> torch.Tensor:
+        M = int(input_ids.shape[0])
+        dtype = model.dtype
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)  # (M, L)
+        masks = {"full_attention": mask.view(1, 1, *attend.shape).to(self.device)}  # (1, 1, M, L)
+        kwargs = dict(
+            input_ids=input_ids.view(1, M).to(self.device),  # (1, M)
+            position_ids=position_ids.view(1, M).to(self.device),  # (1, M)
+            attention_mask=masks,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if cache is self.cache:
+            self.length += M
+        if self.head_ids is not None and model is self.model:
+            hidden = self._decoder(**kwargs).last_hidden_state[0, -num_logits:]  # (num_logits, H)
+            return F.linear(hidden, self._head_weight, self._head_bias).float()  # (num_logits, N)
+        return model(**kwargs, logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (num_logits, V)
+
+    def check_masking(self) -> None:
+        """Check once per model that it honours a custom 4D mask and position ids.
+
+        Runs a 3-token prefix and a 4-node tree (two branches) with :meth:`forward_masked` on a
+        scratch cache and compares each node's logits with a plain causal pass over its own root
+        path; a model that ignores the mask (a sibling would leak in) or the positions fails.
+
+        Raises:
+            ValueError: sliding-window layers or an attention implementation other than sdpa / eager.
+            NotImplementedError: the logits differ beyond rounding (tolerance ``1e-3`` of the logit
+                scale in float32, ``5e-2`` in 16-bit types).
+        """
+        if _MASKING_OK.get(self.model):
+            return
+        config = self.model.config
+        name = type(self.model).__name__
+        types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                f"token trees: {name} has sliding-window or non-standard layers {sorted(types)}; not supported"
+            )
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        if attention not in ("sdpa", "eager"):
+            raise ValueError(f"token trees need sdpa or eager attention; {name} uses {attention!r}")
+        V = self.vocab_size
+        a, b, c, d, e, f = (torch.tensor([(7 + 13 * i) % V]) for i in range(6))
+        with torch.inference_mode():
+            scratch = DynamicCache(config=config)
+            self.model(input_ids=torch.cat([a, b]).view(1, 2).to(self.device), past_key_values=scratch, use_cache=True)
+            # root c; nodes d (child of c), e (child of c), f (child of e); positions 2, 3, 3, 4
+            attend = torch.tensor(
+                [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool
+            )
+            tree = self._forward_masked(
+                self.model, scratch, torch.cat([c, d, e, f]), torch.tensor([2, 3, 3, 4]), attend, 4
+            )  # (4, V)
+            full = self.model(input_ids=torch.cat([a, b, c, e, f]).view(1, 5).to(self.device)).logits[0].float()
+            left = self.model(input_ids=torch.cat([a, b, c, d]).view(1, 4).to(self.device)).logits[0, -1].float()
+        reference = torch.stack([full[2], left, full[3], full[4]])  # (4, V)
+        scale = 1.0 + float(reference.abs().max())
+        tolerance = (1e-3 if self.model.dtype == torch.float32 else 5e-2) * scale
+        error = float((tree - reference).abs().max())
+        if error > tolerance:
+            raise NotImplementedError(
+                f"token trees: {name} does not honour a custom 4D attention mask and position_ids "
+                f"(logits differ by {error:.3g} > {tolerance:.3g}); use a chain instead of --tree"
+            )
+        _MASKING_OK[self.model] = True
+
+    @torch.inference_mode()
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep the cached entries ``keep`` (ascending positions) and nothing after the first of them.
+
+        After a tree pass, the accepted root path's entries are scattered among the tree's; this
+        moves them, in order, to follow the prefix ``[0, keep[0])`` and truncates the rest.
+
+        Args:
+            keep: int64 ``[n]``, strictly increasing cache positions in ``[0, length)``.
+
+        Raises:
+            ValueError: ``keep`` is empty, not increasing, or out of range.
+        """
+        keep = torch.as_tensor(keep, dtype=torch.int64)
+        n = int(keep.shape[0])
+        if n == 0 or int(keep[0]) < 0 or int(keep[-1]) >= self.length or bool((keep[1:] <= keep[:-1]).any()):
+            raise ValueError(f"keep must be increasing positions in [0, {self.length}), got {keep.tolist()}")
+        start = int(keep[0])
+        if int(keep[-1]) - start + 1 != n:  # not already contiguous
+            index = keep.to(self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., start : start + n, :] = layer.keys[..., index, :]  # (B, H, n, D), gathered first
+                layer.values[..., start : start + n, :] = layer.values[..., index, :]
+        self.truncate(start + n)

@@ -12,6 +12,7 @@ from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens
 from specdecode.proposers.token_map import load_token_map
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
 
 
@@ -181,6 +182,66 @@ class DraftModelProposer:
         # The cache now holds context + draft_ids[:-1]; the last drafted token was never fed.
         self._cached = torch.cat([context, draft_ids[:-1]])
         return DraftTokens(draft_ids, torch.stack(probs) if probs else None)
+
+    def propose_tree(
+        self,
+        context: torch.Tensor,
+        tree: TreeSpec,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        """Draft a token tree: the draft's ranked candidates at each node (static shape) or its
+        EAGLE-2 dynamic tree from cumulative log-probabilities (:mod:`specdecode.tree`).
+
+        Candidates are ranked by the draft's distribution after the request's temperature /
+        top-k / top-p (plain softmax when greedy) and never sampled: the tree is a deterministic
+        proposal, verified exactly by :func:`~specdecode.verify.rejection_sample_tree`. One draft
+        pass per depth: the nodes of a depth that have children are fed together, each attending
+        to the context and its own ancestors (:meth:`ModelRunner.forward_masked`). Afterwards the
+        draft's cache is cut back to the context; the next step re-feeds the accepted tokens.
+
+        Args:
+            context: int64 ``[T]``.
+            tree: a :class:`~specdecode.tree.TreeShape` or :class:`~specdecode.tree.DynamicTree`.
+            sampling, generator: the request's; the generator is not used.
+
+        Returns:
+            :class:`~specdecode.tree.DraftTree`.
+        """
+        T = int(context.shape[0])
+        root = self._sync(context)  # (C,): the runner now holds the whole context
+        columns = self.runner.head_ids  # (N,) or None
+
+        def log_probs(logits: torch.Tensor) -> torch.Tensor:  # (..., C)
+            if sampling.greedy:
+                return torch.log_softmax(logits.float(), dim=-1)
+            return logits_to_probs(logits, sampling).log()
+
+        slot: dict[int, int] = {}  # tree node -> its cache position in the draft runner
+
+        def expand(nodes: list[int], ids: list[int], parents: list[int]) -> torch.Tensor:
+            base = self.runner.length
+            attend = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)  # (m, base + m)
+            attend[:, :T] = True
+            positions = torch.empty(len(nodes), dtype=torch.int64)  # (m,)
+            for row, node in enumerate(nodes):
+                attend[row, base + row] = True
+                depth, up = 1, parents[node - 1]
+                while up != 0:
+                    attend[row, slot[up]] = True
+                    depth, up = depth + 1, parents[up - 1]
+                positions[row] = T - 1 + depth
+                slot[node] = base + row
+            tokens = torch.tensor([ids[n - 1] for n in nodes], dtype=torch.int64)
+            return log_probs(self.runner.forward_masked(tokens, positions, attend))  # (m, C)
+
+        if isinstance(tree, DynamicTree):
+            draft = build_dynamic_tree(tree, log_probs(root), expand, columns)
+        else:
+            draft = build_static_tree(tree, log_probs(root), expand, columns)
+        self.runner.truncate(T)
+        self._cached = context.clone()
+        return draft
 
     def observe(self, result: VerifyResult) -> None:
         """Nothing to do: the next ``propose`` truncates the rejected tokens away."""

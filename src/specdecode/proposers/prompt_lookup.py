@@ -13,6 +13,7 @@ import torch
 
 from specdecode.proposers.base import DraftTokens
 from specdecode.sampling import SamplingParams
+from specdecode.tree import DraftTree, TreeSpec, trie_tree
 from specdecode.verify import VerifyResult
 
 
@@ -66,6 +67,34 @@ def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, mi
     return torch.empty(0, dtype=torch.int64)
 
 
+def find_continuations(
+    context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int, max_matches: int
+) -> list[list[int]]:
+    """The continuations of up to ``max_matches`` earlier occurrences of the context's last n tokens.
+
+    Longer n-grams first; for one n, the most recent match first. Distinct continuations only.
+
+    Args:
+        context: int64 ``[T]``; num_tokens: tokens per continuation (fewer at the context's end);
+        max_ngram, min_ngram: see :class:`PromptLookupConfig`; max_matches: the most continuations.
+
+    Returns:
+        lists of token ids, best first (empty when nothing matches).
+    """
+    T = context.shape[0]
+    found: list[list[int]] = []
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        windows = context[: T - 1].unfold(0, n, 1)  # (T - n, n)
+        hits = (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,) start positions
+        for start in reversed((hits + n).tolist()):
+            continuation = context[start : start + num_tokens].tolist()
+            if continuation not in found:
+                found.append(continuation)
+                if len(found) >= max_matches:
+                    return found
+    return found
+
+
 class PromptLookupProposer:
     """Deterministic proposal from the context itself (``probs=None``: one-hot q for the verifier,
     which keeps sampling exact)."""
@@ -87,6 +116,30 @@ class PromptLookupProposer:
     ) -> DraftTokens:
         ids = find_continuation(context, num_tokens, self.config.max_ngram, self.config.min_ngram)
         return DraftTokens(ids)
+
+    def propose_tree(
+        self,
+        context: torch.Tensor,
+        tree: TreeSpec,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        """Several matches at once: the continuations of every match (longest n-gram first, then
+        the most recent) merged into a trie of at most ``tree.num_nodes`` nodes and the tree's depth.
+
+        The tree's shape only sets the node budget and the depth (n-gram matches are not ranked
+        candidates). A deterministic proposal, exact under :func:`~specdecode.verify.verify_tree`.
+
+        Args:
+            context: int64 ``[T]``.
+            tree: a :class:`~specdecode.tree.TreeShape` or :class:`~specdecode.tree.DynamicTree`.
+        """
+        depth = tree.depth
+        return trie_tree(
+            find_continuations(context, depth, self.config.max_ngram, self.config.min_ngram, tree.num_nodes),
+            tree.num_nodes,
+            depth,
+        )
 
     def observe(self, result: VerifyResult) -> None:
         """Stateless: nothing to learn."""
