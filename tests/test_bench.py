@@ -255,3 +255,21 @@ def test_methods_with_options_and_schedules(models, questions):
 def test_bad_method_specs(name, message):
     with pytest.raises(ValueError, match=message):
         expand([name], [3])
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_suffix_cache_is_cleared_before_every_prompt(models, questions, reset):
+    """Repeat 1 of a prompt finds repeat 0's answer in the suffix cache only when the bench keeps
+    cross-request state (``reset_proposer_caches=False``); by default both repeats, and the warm-up
+    before them, start from an empty cache, so greedy repeats draft and accept exactly alike."""
+    prompts = load_prompts(questions, "qa", None)
+    settings = BenchSettings(max_new_tokens=24, reset_proposer_caches=reset)
+    results = run_bench(models, prompts, expand(["suffix"], [4]), settings, repeats=2, progress=False)
+    first, second = (
+        {k: r["stats"][k] for k in ("drafts", "draft_tokens", "accepted_tokens")} for r in results["records"]
+    )
+    assert (first == second) is reset
+    if not reset:
+        assert second["accepted_tokens"] > first["accepted_tokens"]
+    models.generator("suffix").proposer.clear_cache()
+    assert models.generator("suffix").proposer.cache.num_tokens == 0

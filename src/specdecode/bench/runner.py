@@ -4,6 +4,11 @@ For each prompt and repeat, every method runs in turn (so machine drift hits all
 runs turn by turn: each turn's context holds the method's own previous answers. A warm-up
 generation per method comes before any timing. A peer that raises (at warm-up or later) is
 recorded as skipped with the reason and its records are dropped; our own methods' errors propagate.
+
+Cross-request proposer state (the suffix proposer's cache of earlier outputs) is cleared before
+every prompt, the warm-up's included (``BenchSettings.reset_proposer_caches``, default True): a
+method's timing on a prompt then never depends on what the run decoded before it, e.g. the
+warm-up's answer to the same prompt.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def run_turns(
     """Decode every turn of ``prompt`` with ``variant``; one record per turn (see metrics module)."""
     messages: list[dict[str, str]] = []
     records = []
+    if settings.reset_proposer_caches:
+        models.clear_proposer_caches()
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         prompt_ids = encode_chat(models.tokenizer, messages)

@@ -357,7 +357,7 @@ class SuffixProposer:
     The output is the request's tokens from the last token of the first context ``propose`` saw
     onwards: with the engine (first ``propose`` right after the prefill's token), exactly the
     generated tokens, plus any the last verification produced after an EOS. The cache is shared
-    by all requests of this instance and by nobody else.
+    by all requests of this instance and by nobody else; :meth:`clear_cache` empties it.
 
     Args:
         config: :class:`SuffixConfig` (default: the paper's settings).
@@ -380,6 +380,14 @@ class SuffixProposer:
         """Cache the finished request's output (evicting the oldest over the bound); forget the request."""
         if self._output_start is not None:
             self._remember(self._request.last_sequence()[self._output_start :])
+        self._request = SuffixIndex()
+        self._output_start = None
+
+    def clear_cache(self) -> None:
+        """Forget every earlier request's output (the cache) and the request in progress: the state
+        of a new instance. The benchmark calls it before each prompt, so that no prompt's timing
+        depends on what was decoded before it."""
+        self.cache = SuffixIndex()
         self._request = SuffixIndex()
         self._output_start = None
 
