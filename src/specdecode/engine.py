@@ -111,7 +111,8 @@ class SpeculativeGenerator:
         if proposer is not None and getattr(proposer, "vocab_size", self.target.vocab_size) != self.target.vocab_size:
             raise IncompatibleModelsError(
                 f"draft vocabulary size {proposer.vocab_size} differs from the target's "  # type: ignore[attr-defined]
-                f"{self.target.vocab_size}; the draft must share the target's tokenizer"
+                f"{self.target.vocab_size}; the draft must share the target's tokenizer (for a draft with "
+                "another tokenizer use CrossTokenizerProposer, which from_pretrained picks by itself)"
             )
         self.proposer = proposer
         self.eos_token_ids = self._eos_ids(target, tokenizer)
@@ -130,8 +131,10 @@ class SpeculativeGenerator:
         Args:
             target: HF model folder or ``.gguf`` file; None for the default target
                 (Qwen2.5-Coder-1.5B-Instruct).
-            draft: HF model folder or ``.gguf`` file; None for the default draft
-                (Qwen2.5-Coder-0.5B-Instruct). Loaded only for proposers that need one.
+            draft: HF model folder, ``.gguf`` file or packaged model name (``"smollm2"``); None for
+                the default draft (Qwen2.5-Coder-0.5B-Instruct). Loaded only for proposers that need
+                one. With ``proposer="draft_model"``, a draft whose vocabulary differs from the
+                target's drafts through ``"cross_tokenizer"`` instead (a notice on stderr).
             dtype: ``"bfloat16"`` or ``"float32"`` (or the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), or None for a target-only generator.
@@ -141,10 +144,13 @@ class SpeculativeGenerator:
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
             ValueError: unknown dtype or proposer, or bad proposer options.
-            IncompatibleModelsError: vocabularies differ.
+            IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
+        import sys
+
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
         from specdecode.proposers import PROPOSERS
+        from specdecode.proposers.cross_tokenizer import vocabularies_differ
 
         parse_dtype(dtype)
         if proposer is not None and proposer not in PROPOSERS:
@@ -155,6 +161,10 @@ class SpeculativeGenerator:
         config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
         draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
+        if proposer == "draft_model" and draft_dir is not None and vocabularies_differ(target_dir, draft_dir):
+            print("specdecode: the draft has another vocabulary; using --proposer cross_tokenizer", file=sys.stderr)
+            spec = PROPOSERS["cross_tokenizer"]
+            config = spec.make_config(**proposer_options)
         target_model = load_model(target_dir, "target", dtype)
         draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
         built = spec.build(config, target_model, draft_model) if spec is not None else None
@@ -255,7 +265,7 @@ class SpeculativeGenerator:
             target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
             if proposer is not None:
                 proposer.observe(result)
-                schedule.update(len(draft), result.num_accepted, time.perf_counter() - tic)
+                schedule.update(len(draft), result.num_accepted, time.perf_counter() - tic, draft_time_s=toc - tic)
             stats.observe(len(draft), result.num_accepted)  # 5.
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
 

@@ -13,6 +13,10 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
 
 Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``.
 
+A method of a proposer with a draft model may name its own draft with the ``draft=`` option (a
+folder, a ``.gguf`` file or a packaged name): ``cross_tokenizer(draft=smollm2)`` drafts with
+SmolLM2 beside ``draft_model`` on ``--draft`` in the same run.
+
 A proposer method can carry its options and a schedule (:mod:`specdecode.schedule`) in its name:
 ``NAME(option=value,...)+SCHEDULE``, e.g. ``draft_model(token_map=default,draft_vocab_size=32768)``,
 ``prompt_lookup+adaptive`` or ``early_exit(exit_layer=8)+heuristic`` (:func:`parse_method`), and a
@@ -45,6 +49,11 @@ class BenchSettings:
         temperature: 0 = greedy (argmax), else the sampling temperature (no top-k / top-p).
         max_new_tokens: at most this many new tokens per turn.
         seed: seed of the sampling generator (sampled runs only).
+        reset_proposer_caches: before each prompt (every method, repeat and the warm-up), clear
+            the proposers' cross-request state (the suffix proposer's cache of earlier outputs;
+            :meth:`BenchModels.clear_proposer_caches`), so that no timing depends on what was
+            decoded before, the warm-up included. The turns of one prompt still share it. False:
+            the state carries over for the whole run, as in a long-running server.
 
     Raises:
         ValueError: a value :class:`SamplingParams` rejects.
@@ -53,6 +62,7 @@ class BenchSettings:
     temperature: float = 0.0
     max_new_tokens: int = 128
     seed: int = 0
+    reset_proposer_caches: bool = True
 
     def __post_init__(self) -> None:
         self.sampling()
@@ -80,6 +90,7 @@ class BenchModels:
     draft: PreTrainedModel | None
     tokenizer: Any
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
+    _drafts: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)
 
     def generator(self, proposer: str | None) -> SpeculativeGenerator:
         """Our engine on :attr:`target` with the named proposer (None: target only), built once.
@@ -93,6 +104,14 @@ class BenchModels:
             self._generators[key] = SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made)
         return self._generators[key]
 
+    def clear_proposer_caches(self) -> None:
+        """Forget cross-request proposer state (a proposer's ``clear_cache()``, e.g. the suffix
+        proposer's cache of earlier outputs) in every engine built so far."""
+        for generator in self._generators.values():
+            clear = getattr(generator.proposer, "clear_cache", None)
+            if clear is not None:
+                clear()
+
     def require_draft(self) -> PreTrainedModel:
         """The draft model.
 
@@ -102,6 +121,19 @@ class BenchModels:
         if self.draft is None:
             raise ValueError("this method needs a draft model (--draft)")
         return self.draft
+
+    def other_draft(self, spec: str) -> PreTrainedModel:
+        """A draft other than :attr:`draft` (a method's ``draft=`` option: folder, ``.gguf`` or packaged
+        name such as ``smollm2``), loaded once in the target's dtype.
+
+        Raises:
+            ModelNotFoundError: see :func:`specdecode.models.loading.resolve_model_dir`.
+        """
+        from specdecode.models.loading import load_model
+
+        if spec not in self._drafts:
+            self._drafts[spec] = load_model(spec, "draft", self.target.dtype)
+        return self._drafts[spec]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -298,17 +330,28 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
         options[key] = _option_value(value)
     base = METHODS[name]
-    if options:
+    draft = options.pop("draft", None)
+    if draft is not None:
+        from specdecode.models.loading import resolve_model_dir
+
+        if name not in LIBRARY or not LIBRARY[name].needs_draft:
+            raise ValueError(f"method {text!r}: draft= is an option of proposers with a draft model only")
+        draft = str(draft)
+        resolve_model_dir(draft, "draft")  # a bad path fails before any model loads
+    if options or draft is not None:
         if name not in LIBRARY:
             raise ValueError(f"method {name!r} takes no options")
         spec = LIBRARY[name]
         config = spec.make_config(**options)
         PROPOSERS[text] = lambda models: spec.build(
-            config, models.target, models.require_draft() if spec.needs_draft else None
+            config,
+            models.target,
+            (models.other_draft(draft) if draft is not None else models.require_draft()) if spec.needs_draft else None,
         )
     else:
         PROPOSERS[text] = PROPOSERS[name]
-    return Method(text, _engine_run(text, schedule, tree), uses_k=tree is None, needs_draft=base.needs_draft)
+    needs_draft = base.needs_draft and draft is None
+    return Method(text, _engine_run(text, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
 
 
 def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:

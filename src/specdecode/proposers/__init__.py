@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossTokenizerProposer, tokenizer_of
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
@@ -66,6 +67,32 @@ def _draft_model(config: DraftModelConfig, target: PreTrainedModel | None, draft
     return DraftModelProposer(draft, config)
 
 
+def _cross_tokenizer(
+    config: CrossTokenizerConfig, target: PreTrainedModel | None, draft: PreTrainedModel | None
+) -> Proposer:
+    """Both tokenizers come from the folders the models were loaded from (``name_or_path``); a
+    draft folder without one, with the target's embedding size, is taken to share the target's."""
+    if draft is None or target is None:
+        raise ValueError("proposer 'cross_tokenizer' needs a draft model (--draft) and the target model")
+
+    def count(model: PreTrainedModel) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    def rows(model: PreTrainedModel) -> int:
+        return int(model.get_output_embeddings().weight.shape[0])
+
+    target_tokenizer = tokenizer_of(target, "target")
+    same = rows(draft) == rows(target)
+    return CrossTokenizerProposer(
+        draft,
+        tokenizer_of(draft, "draft", fallback=target_tokenizer if same else None),
+        target_tokenizer,
+        config,
+        target_vocab_size=rows(target),
+        cost_ratio=count(draft) / count(target),  # decoding reads every weight once per pass
+    )
+
+
 def _early_exit(config: EarlyExitConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
     if target is None:
         raise ValueError("proposer 'early_exit' needs the target model (its first layers draft)")
@@ -93,6 +120,11 @@ register(ProposerSpec("draft_model", DraftModelConfig, _draft_model, True, "a sm
 register(ProposerSpec("prompt_lookup", PromptLookupConfig, _prompt_lookup, False, "n-gram match in the context"))
 register(ProposerSpec("suffix", SuffixConfig, _suffix, False, "suffix tree over the prompt and earlier outputs"))
 register(ProposerSpec("early_exit", EarlyExitConfig, _early_exit, False, "the target's first layers draft"))
+register(
+    ProposerSpec(
+        "cross_tokenizer", CrossTokenizerConfig, _cross_tokenizer, True, "a draft model with another tokenizer"
+    )
+)
 
 
 def get_spec(name: str) -> ProposerSpec:
@@ -126,6 +158,8 @@ def make_proposer(
 
 __all__ = [
     "PROPOSERS",
+    "CrossTokenizerConfig",
+    "CrossTokenizerProposer",
     "DraftModelConfig",
     "DraftModelProposer",
     "DraftTokens",
