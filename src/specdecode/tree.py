@@ -218,7 +218,7 @@ TREE_SHAPES: dict[str, list[list[int]]] = {
     "tree24": greedy_paths(24, _RANKS, max_depth=6),
     "tree32": greedy_paths(32, _RANKS, max_depth=7),
 }
-TREE_SHAPES["default"] = TREE_SHAPES["tree12"]
+TREE_SHAPES["default"] = TREE_SHAPES["tree8"]  # peaked in docs/benchmarks.md (issue 5 run)
 
 
 @dataclass(frozen=True)
