@@ -66,6 +66,16 @@ class GenerationResult:
         }
 
 
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)
+
+
 def check_num_speculative_tokens(k: int) -> int:
     """Return ``k`` if it is a valid number of speculative tokens.
 
@@ -115,7 +125,7 @@ class SpeculativeGenerator:
                 "another tokenizer use CrossTokenizerProposer, which from_pretrained picks by itself)"
             )
         self.proposer = proposer
-        self.eos_token_ids = self._eos_ids(target, tokenizer)
+        self.eos_token_ids = eos_token_ids(target, tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -169,15 +179,6 @@ class SpeculativeGenerator:
         draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
         built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
-
-    @staticmethod
-    def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if value is not None:
-                ids.update([value] if isinstance(value, int) else value)
-        return frozenset(ids)
 
     @property
     def dtype(self) -> str:
@@ -291,9 +292,12 @@ class SpeculativeGenerator:
         """Steps 1-5 of the loop with a token tree (:mod:`specdecode.tree`); ``context`` int64 ``[T]``."""
         target = self.target
         tic = time.perf_counter()
-        draft = proposer.propose_tree(context, tree, sampling, generator).prune(room)  # type: ignore[attr-defined]
+        draft = proposer.propose_tree(context, tree, sampling, generator)  # type: ignore[attr-defined]
         toc = time.perf_counter()
         depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
+        if int(depths.max()) > room:  # near max_new_tokens / the context limit
+            draft = draft.prune(room)
+            depths, mask = tree_attention(draft.parents)
         cached = target.length  # T - 1
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
         logits = target.forward_masked(torch.cat([context[-1:], draft.ids]), cached + depths, attend)  # 2. (N + 1, V)

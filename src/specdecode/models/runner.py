@@ -195,34 +195,27 @@ class ModelRunner:
                 f"{attend.dtype} {list(attend.shape)}, {num_logits}"
             )
         self.check_masking()
-        return self._forward_masked(self.model, self.cache, input_ids, position_ids, attend, num_logits)
+        kwargs = self._masked_inputs(input_ids, position_ids, attend, self.cache)
+        self.length += M
+        if self.head_ids is not None:
+            hidden = self._decoder(**kwargs).last_hidden_state[0, -num_logits:]  # (num_logits, H)
+            return F.linear(hidden, self._head_weight, self._head_bias).float()  # (num_logits, N)
+        return self.model(**kwargs, logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (num_logits, V)
 
-    def _forward_masked(
-        self,
-        model: PreTrainedModel,
-        cache: DynamicCache,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attend: torch.Tensor,
-        num_logits: int,
-    ) -> torch.Tensor:
+    def _masked_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor, cache: DynamicCache
+    ) -> dict:
+        """Model keyword arguments for :meth:`forward_masked`: ids, positions, a ready-made 4D additive mask."""
         M = int(input_ids.shape[0])
-        dtype = model.dtype
+        dtype = self.model.dtype
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)  # (M, L)
-        masks = {"full_attention": mask.view(1, 1, *attend.shape).to(self.device)}  # (1, 1, M, L)
-        kwargs = dict(
+        return dict(
             input_ids=input_ids.view(1, M).to(self.device),  # (1, M)
             position_ids=position_ids.view(1, M).to(self.device),  # (1, M)
-            attention_mask=masks,
+            attention_mask={"full_attention": mask.view(1, 1, *attend.shape).to(self.device)},  # (1, 1, M, L)
             past_key_values=cache,
             use_cache=True,
         )
-        if cache is self.cache:
-            self.length += M
-        if self.head_ids is not None and model is self.model:
-            hidden = self._decoder(**kwargs).last_hidden_state[0, -num_logits:]  # (num_logits, H)
-            return F.linear(hidden, self._head_weight, self._head_bias).float()  # (num_logits, N)
-        return model(**kwargs, logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (num_logits, V)
 
     def check_masking(self) -> None:
         """Check once per model that it honours a custom 4D mask and position ids.
@@ -257,9 +250,8 @@ class ModelRunner:
             attend = torch.tensor(
                 [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool
             )
-            tree = self._forward_masked(
-                self.model, scratch, torch.cat([c, d, e, f]), torch.tensor([2, 3, 3, 4]), attend, 4
-            )  # (4, V)
+            inputs = self._masked_inputs(torch.cat([c, d, e, f]), torch.tensor([2, 3, 3, 4]), attend, scratch)
+            tree = self.model(**inputs).logits[0].float()  # (4, V): the full head, whatever head_ids is
             full = self.model(input_ids=torch.cat([a, b, c, e, f]).view(1, 5).to(self.device)).logits[0].float()
             left = self.model(input_ids=torch.cat([a, b, c, d]).view(1, 4).to(self.device)).logits[0, -1].float()
         reference = torch.stack([full[2], left, full[3], full[4]])  # (4, V)

@@ -2,6 +2,12 @@
 
 The engine calls ``reset()`` once per request, then per step ``propose(...)`` and, after
 verification, ``observe(...)``. It never branches on a proposer's name.
+
+A proposer that can offer several candidates per position also has ``propose_tree(context,
+tree, sampling, generator) -> DraftTree`` (:mod:`specdecode.tree`; ``tree`` is a compiled
+``TreeShape`` or a ``DynamicTree``); the engine uses it for ``tree=`` requests and refuses a
+tree for a proposer without it. ``observe`` then gets a result whose ``path`` names the accepted
+nodes.
 """
 
 from __future__ import annotations

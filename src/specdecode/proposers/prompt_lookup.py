@@ -7,6 +7,7 @@ where the output repeats the input: summarization, retrieval-augmented answers, 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,15 @@ class PromptLookupConfig:
             raise ValueError(f"max_ngram must be an integer >= min_ngram ({self.min_ngram}), got {self.max_ngram!r}")
 
 
+def _ngram_hits(context: torch.Tensor, max_ngram: int, min_ngram: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Per n from ``max_ngram`` down to ``min_ngram``: ``(n, start positions (h,))`` of the earlier
+    occurrences of the context's last n tokens (windows that have a successor). Vectorised per n."""
+    T = context.shape[0]
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        windows = context[: T - 1].unfold(0, n, 1)  # (T - n, n)
+        yield n, (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,)
+
+
 def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
     """The tokens that followed an earlier occurrence of the context's last n tokens.
 
@@ -57,9 +67,7 @@ def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, mi
         int64 ``[m]`` with 0 <= m <= k (empty when nothing matches).
     """
     T = context.shape[0]
-    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
-        windows = context[: T - 1].unfold(0, n, 1)  # (T - n, n): every window that has a successor
-        hits = (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,) start positions
+    for n, hits in _ngram_hits(context, max_ngram, min_ngram):
         if hits.numel():
             full = hits[hits + n + num_tokens <= T]  # matches followed by num_tokens tokens
             start = int(full[-1] if full.numel() else hits[0]) + n
@@ -81,11 +89,8 @@ def find_continuations(
     Returns:
         lists of token ids, best first (empty when nothing matches).
     """
-    T = context.shape[0]
     found: list[list[int]] = []
-    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
-        windows = context[: T - 1].unfold(0, n, 1)  # (T - n, n)
-        hits = (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,) start positions
+    for n, hits in _ngram_hits(context, max_ngram, min_ngram):
         for start in reversed((hits + n).tolist()):
             continuation = context[start : start + num_tokens].tolist()
             if continuation not in found:

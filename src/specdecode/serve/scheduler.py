@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.engine import eos_token_ids
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
@@ -137,16 +138,6 @@ class ServeRequest:
     @property
     def max_k(self) -> int:
         return self.num_speculative_tokens if self.speculative else 0
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return frozenset(ids)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
