@@ -314,6 +314,8 @@ def parse_method(text: str) -> Method:
     if text in METHODS:
         return METHODS[text]
     match = _METHOD_SPEC.match(text)
+    if match is not None and match["name"] == "hf_assisted" and match["options"]:
+        return _hf_assisted_with(text, match["options"])
     if match is None or match["name"] not in PROPOSERS:
         raise ValueError(f"unknown method {text!r}; choose from {sorted(METHODS)}, or PROPOSER(option=value)+SCHEDULE")
     name, schedule, tree = match["name"], match["schedule"] or "constant", match["tree"]
@@ -352,6 +354,31 @@ def parse_method(text: str) -> Method:
         PROPOSERS[text] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
     return Method(text, _engine_run(text, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
+
+
+def _hf_assisted_with(text: str, options: str) -> Method:
+    """``hf_assisted(draft=SPEC)``: transformers' assisted generation with another draft; when its
+    vocabulary differs from the target's, transformers' universal assisted generation (text
+    re-tokenisation, ``tokenizer=`` and ``assistant_tokenizer=``) is used.
+
+    Raises:
+        ValueError: an option other than ``draft=``, or an unknown draft.
+    """
+    from specdecode.models.loading import load_tokenizer, resolve_model_dir
+
+    key, sep, spec = options.partition("=")
+    if key != "draft" or not sep or "," in spec:
+        raise ValueError(f"method {text!r}: hf_assisted takes one option, draft=NAME_OR_PATH")
+    draft_dir = resolve_model_dir(spec, "draft")  # a bad path fails before any model loads
+
+    def extra(models: BenchModels, k: int | None) -> dict[str, Any]:
+        draft = models.other_draft(spec)
+        kwargs: dict[str, Any] = {"assistant_model": draft}
+        if draft.config.vocab_size != models.target.config.vocab_size:
+            kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=load_tokenizer(draft_dir))
+        return kwargs
+
+    return Method(text, _hf_run(extra), peer=True)
 
 
 def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:
