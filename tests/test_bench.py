@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from specdecode.bench import metrics
 from specdecode.bench.methods import METHODS, BenchModels, BenchSettings, Method, MethodOutput, expand
@@ -71,11 +72,22 @@ def test_end_to_end_results_table_plots_and_report(models, questions, tmp_path, 
     assert (tmp_path / "again" / SPEEDUP_PNG).exists() and (tmp_path / "again" / ACCEPTANCE_PNG).exists()
 
 
-def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys):
+def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys, monkeypatch):
     target_dir, draft_dir, out = tmp_path / "target", tmp_path / "draft", tmp_path / "out"
     models.target.save_pretrained(target_dir)
     models.tokenizer.save_pretrained(target_dir)
     models.draft.save_pretrained(draft_dir)
+    # untrained (identity / random) drafters where medusa and eagle look by default, so the default
+    # method list includes them; without them the bench skips both (checked below)
+    from specdecode.drafters import DrafterConfig, build_drafter, default_drafter_dir, save_drafter
+    from specdecode.models.loading import load_model
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    saved_target = load_model(target_dir, "target", "float32")
+    V = saved_target.config.vocab_size
+    for kind in ("medusa", "eagle"):
+        config = DrafterConfig.for_target(kind, saved_target, V)
+        save_drafter(build_drafter(config, torch.arange(V)), default_drafter_dir(kind, target_dir))
     argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32", "--questions",
             str(questions), "--categories", "coding,qa", "-k", "2,3", "--max-new-tokens", "8", "--out", str(out),
             "--no-progress"]  # fmt: skip
@@ -95,6 +107,13 @@ def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys):
     for label in labels:
         assert summary[label]["all"]["exact"] == 1.0, label  # greedy: every method reproduces the target
     assert summary["hf_generate"]["all"]["mean_acceptance_length"] is None  # peers have no statistics
+
+    from specdecode.bench.cli import default_methods
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "empty-cache"))
+    names = default_methods(str(target_dir))
+    assert "medusa" not in names and "eagle" not in names and "draft_model" in names
+    assert "specdecode train-drafter --kind medusa" in capsys.readouterr().err
 
 
 def test_sampled_run_reports_distributional_exactness(models, questions, tmp_path):
@@ -273,3 +292,17 @@ def test_suffix_cache_is_cleared_before_every_prompt(models, questions, reset):
         assert second["accepted_tokens"] > first["accepted_tokens"]
     models.generator("suffix").proposer.clear_cache()
     assert models.generator("suffix").proposer.cache.num_tokens == 0
+
+
+def test_hf_assisted_with_another_draft_is_parsed_and_checked(models, tmp_path):
+    from specdecode.bench.methods import parse_method
+    from specdecode.errors import ModelNotFoundError
+
+    draft_dir = tmp_path / "draft"
+    models.draft.save_pretrained(draft_dir)
+    method = parse_method(f"hf_assisted(draft={draft_dir})")
+    assert method.peer and method.name == f"hf_assisted(draft={draft_dir})"
+    with pytest.raises(ValueError, match="draft=NAME_OR_PATH"):
+        parse_method("hf_assisted(num_tokens=3)")
+    with pytest.raises((ModelNotFoundError, ValueError)):
+        parse_method(f"hf_assisted(draft={tmp_path / 'missing'})")

@@ -290,3 +290,17 @@ def test_prefill_in_groups_with_requests_that_end_at_their_first_token(models, t
     run(scheduler)
     for c in clients:
         assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
+
+
+def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(models, tiny_tokenizer) -> None:
+    target, _ = models
+    foreign = make_tiny_model(vocab_size=len(tiny_tokenizer) + 7, seed=3)  # another vocabulary size
+    settings = ServeSettings(model_name="tiny", max_batch_size=2, kv_budget_tokens=1024, proposer=None)
+    scheduler = Scheduler(target, tiny_tokenizer, settings, draft=foreign, cost=FLAT)
+    names = scheduler.proposers()
+    assert "cross_tokenizer" in names and "draft_model" not in names and "prompt_lookup" in names
+    assert "medusa" not in names and "eagle" not in names  # they need the target's features
+    for name in ("draft_model", "eagle"):
+        with pytest.raises(InvalidRequestError) as info:
+            scheduler.check_proposer(name)
+        assert info.value.param == "proposer"

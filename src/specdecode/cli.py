@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_parser(sub)
 
+    from specdecode.drafters.train import add_train_parser
+
+    add_train_parser(sub)
+
     return parser
 
 

@@ -12,6 +12,11 @@ One request, batch 1::
 
 Invariant: the target's cache holds every context token but the last, which is fed (with the
 draft) by the next pass. Target-only decoding is the same loop with no proposer (k = 0).
+
+A proposer with ``needs_target_features = True`` (Medusa, EAGLE) also gets the target's features
+(final hidden states) of the positions kept, before ``observe``: all prompt rows after the
+prefill, then the root and the accepted drafts of each pass; so after every step it knows the
+features of context positions ``0 .. T - 2``.
 """
 
 from __future__ import annotations
@@ -74,6 +79,16 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return frozenset(ids)
+
+
+def needs_features(proposer: Proposer | None) -> bool:
+    """Whether ``proposer`` reads the target's features (its ``needs_target_features`` attribute)."""
+    return bool(getattr(proposer, "needs_target_features", False))
+
+
+def _pass(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logits, features or None)`` of a target pass made with or without ``return_hidden``."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 def check_num_speculative_tokens(k: int) -> int:
@@ -149,7 +164,8 @@ class SpeculativeGenerator:
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), or None for a target-only generator.
             proposer_options: the proposer's own options, fields of its config dataclass
-                (e.g. ``max_ngram=4`` for prompt lookup); validated before any weights load.
+                (e.g. ``max_ngram=4`` for prompt lookup, ``drafter=DIR`` for ``"medusa"`` /
+                ``"eagle"``); validated before any weights load.
 
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
@@ -235,9 +251,12 @@ class SpeculativeGenerator:
         T = prompt_ids.shape[0]
         context = torch.empty(T + sampling.max_new_tokens + schedule.max_k + 1, dtype=torch.int64)  # preallocated
         context[:T] = prompt_ids
+        features = needs_features(proposer)
 
         tic = time.perf_counter()
-        logits = target.forward(prompt_ids, num_logits=1)  # (1, V): prefill
+        logits, hidden = _pass(target.forward(prompt_ids, num_logits=1, return_hidden=features))  # (1, V): prefill
+        if hidden is not None:
+            proposer.observe_features(hidden)  # type: ignore[union-attr]  # (T, H): every prompt position
         stats.prefill_time_s += time.perf_counter() - tic
         stats.target_forward_passes += 1
         result = verify(DraftTokens.empty().ids, None, logits, sampling, generator)
@@ -256,15 +275,17 @@ class SpeculativeGenerator:
                 proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()
             )  # 1.
             toc = time.perf_counter()
-            logits = target.forward(
-                torch.cat([context[T - 1 : T], draft.ids]), num_logits=len(draft) + 1
-            )  # 2. (k+1, V)
+            logits, hidden = _pass(
+                target.forward(torch.cat([context[T - 1 : T], draft.ids]), len(draft) + 1, return_hidden=features)
+            )  # 2. (k+1, V), features (k+1, H) | None
             stats.draft_time_s += toc - tic
             stats.target_time_s += time.perf_counter() - toc
             stats.target_forward_passes += 1
             result = verify(draft.ids, draft.probs, logits, sampling, generator)  # 3.
             target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
             if proposer is not None:
+                if hidden is not None:
+                    proposer.observe_features(hidden[: result.num_accepted + 1])  # root + accepted drafts
                 proposer.observe(result)
                 schedule.update(len(draft), result.num_accepted, time.perf_counter() - tic, draft_time_s=toc - tic)
             stats.observe(len(draft), result.num_accepted)  # 5.
@@ -300,12 +321,17 @@ class SpeculativeGenerator:
             depths, mask = tree_attention(draft.parents)
         cached = target.length  # T - 1
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
-        logits = target.forward_masked(torch.cat([context[-1:], draft.ids]), cached + depths, attend)  # 2. (N + 1, V)
+        features = needs_features(proposer)
+        ids = torch.cat([context[-1:], draft.ids])  # (N + 1,)
+        logits, hidden = _pass(target.forward_masked(ids, cached + depths, attend, return_hidden=features))  # 2.
         stats.draft_time_s += toc - tic
         stats.target_time_s += time.perf_counter() - toc
         stats.target_forward_passes += 1
         result = verify_tree(draft.ids, draft.parents, logits, sampling, generator)  # 3.
-        target.compact(cached + torch.cat([torch.zeros(1, dtype=torch.int64), result.path]))  # 4. root + path
+        kept = torch.cat([torch.zeros(1, dtype=torch.int64), result.path])  # (n + 1,): root + accepted path
+        target.compact(cached + kept)  # 4.
+        if hidden is not None:
+            proposer.observe_features(hidden[kept.to(hidden.device)])  # type: ignore[attr-defined]  # (n + 1, H)
         proposer.observe(result)
         stats.observe(len(draft), result.num_accepted, depth=int(depths.max()))  # 5.
         return result

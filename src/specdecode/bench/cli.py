@@ -90,6 +90,30 @@ def _load_models(args: argparse.Namespace, need_draft: bool) -> Any:
     return BenchModels(target, draft, load_tokenizer(target_dir))
 
 
+def default_methods(target: str | None) -> list[str]:
+    """Every registered method, less the trained-drafter proposers (``medusa``, ``eagle``) whose
+    drafter for ``target`` has not been trained (``specdecode train-drafter``; a note on stderr)."""
+    from specdecode.bench.methods import METHODS
+    from specdecode.drafters import default_drafter_dir
+    from specdecode.drafters.heads import CONFIG_FILE
+    from specdecode.models.loading import resolve_model_dir
+    from specdecode.proposers import PROPOSERS
+
+    names = []
+    for name in METHODS:
+        spec = PROPOSERS.get(name)
+        if spec is not None and spec.needs_target_features:
+            folder = default_drafter_dir(name, resolve_model_dir(target, "target"))
+            if not (folder / CONFIG_FILE).is_file():
+                print(
+                    f"bench: skipping {name} (no drafter in {folder}; specdecode train-drafter --kind {name})",
+                    file=sys.stderr,
+                )
+                continue
+        names.append(name)
+    return names
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--report``): tables on stdout, files into ``--out``."""
     from specdecode.bench.report import load_results, render
@@ -97,7 +121,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.report:
         print(render(load_results(args.report), args.out or Path(args.report).parent), end="")
         return 0
-    from specdecode.bench.methods import METHODS, BenchSettings, expand, split_methods
+    from specdecode.bench.methods import BenchSettings, expand, split_methods
     from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import environment, run_bench, save_results
 
@@ -106,7 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--repeats and --prompts-per-category must be >= 1")
     settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
     ks = parse_ks(args.num_speculative_tokens)
-    names = split_methods(opts["methods"]) if opts["methods"] else list(METHODS)
+    names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target)
     variants = expand(names, ks)
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
     models = _load_models(args, need_draft=any(v.method.needs_draft for v in variants))

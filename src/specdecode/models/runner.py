@@ -15,20 +15,46 @@ LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits
 
 # Models checked to honour custom 4D attention masks and position ids (see ModelRunner.check_masking).
 _MASKING_OK: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
+# Models checked to compute their logits as lm_head(get_decoder() hidden states) (return_hidden).
+_PLAIN_OK: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
 
 
-def _check_plain_head(model: PreTrainedModel) -> None:
-    """Raise ValueError unless ``model``'s logits are ``lm_head(final hidden states)``."""
+def _check_plain_head(model: PreTrainedModel, what: str = "head_ids") -> None:
+    """Raise ValueError (naming ``what``, the option that needs it) unless ``model``'s logits are
+    ``lm_head(final hidden states)``."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name, neutral in LOGIT_TRANSFORMS.items():
         value = getattr(config, name, neutral)
         if value is not None and value != neutral:
             raise ValueError(
-                f"head_ids: {type(model).__name__} transforms its logits ({name}={value!r}); a reduced "
-                "LM head computes plain lm_head(hidden states) and does not reproduce that"
+                f"{what}: {type(model).__name__} transforms its logits ({name}={value!r}); "
+                "plain lm_head(hidden states) does not reproduce that"
             )
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-        raise ValueError(f"head_ids: the output head of {type(model).__name__} is not a Linear layer")
+        raise ValueError(f"{what}: the output head of {type(model).__name__} is not a Linear layer")
+
+
+def _check_decoder_logits(model: PreTrainedModel) -> None:
+    """Check once per model that its logits are ``lm_head(get_decoder() last_hidden_state)``:
+    the config check of :func:`_check_plain_head`, then a one-token probe comparing the two.
+
+    Raises:
+        ValueError: they are not (logit soft-capping or scaling, a forward that is not decoder + head).
+    """
+    if _PLAIN_OK.get(model):
+        return
+    _check_plain_head(model, "return_hidden")
+    with torch.inference_mode():
+        probe = torch.zeros(1, 1, dtype=torch.int64, device=model.device)
+        full = model(input_ids=probe, use_cache=False).logits[0, -1].float()  # (V,)
+        hidden = model.get_decoder()(input_ids=probe, use_cache=False).last_hidden_state  # (1, 1, H)
+        mine = model.get_output_embeddings()(hidden)[0, -1].float()  # (V,)
+    if not torch.allclose(mine, full, rtol=0.0, atol=1e-2 * (1.0 + float(full.abs().max()))):
+        raise ValueError(
+            f"return_hidden: the logits of {type(model).__name__} are not lm_head(get_decoder() hidden states); "
+            "proposers that read the target's features cannot run on it"
+        )
+    _PLAIN_OK[model] = True
 
 
 class ModelRunner:
@@ -108,36 +134,51 @@ class ModelRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` to the sequence and return the logits of its last positions.
 
         Args:
             input_ids: int64 ``[T]``, T >= 1, the tokens after the :attr:`length` cached ones.
             num_logits: how many of the last positions to score (1 <= num_logits <= T).
+            return_hidden: also return the target's *features*: the decoder's final hidden states
+                (``model.get_decoder()`` ``last_hidden_state``, after the final norm, what the LM
+                head reads) of all T tokens. The logits are then ``lm_head`` of their last
+                ``num_logits`` rows, what the model's own forward computes.
 
         Returns:
             float32 ``[num_logits, V]`` logits; row i scores the token that follows
             ``input_ids[T - num_logits + i]``. With :attr:`head_ids`, ``[num_logits, N]``: column j
-            scores token ``head_ids[j]``.
+            scores token ``head_ids[j]``. With ``return_hidden``: ``(logits, hidden)``, hidden
+            ``[T, H]`` in the model's dtype, row i the feature of ``input_ids[i]``.
+
+        Raises:
+            ValueError: ``num_logits`` out of range; with ``return_hidden``, a model whose logits
+                are not plain ``lm_head(hidden states)`` (soft-capping, scaling; checked once).
         """
         T = input_ids.shape[0]
         if not 1 <= num_logits <= T:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
-        if self.head_ids is not None:
-            out = self._decoder(
-                input_ids=input_ids.view(1, T).to(self.device), past_key_values=self.cache, use_cache=True
-            )
-            hidden = out.last_hidden_state[0, -num_logits:]  # (num_logits, H)
+        ids = input_ids.view(1, T).to(self.device)  # (1, T)
+        if self.head_ids is not None or return_hidden:
+            if return_hidden:
+                _check_decoder_logits(self.model)
+            decoder = self.model.get_decoder()
+            hidden = decoder(input_ids=ids, past_key_values=self.cache, use_cache=True).last_hidden_state  # (1, T, H)
             self.length += T
-            return F.linear(hidden, self._head_weight, self._head_bias).float()  # (num_logits, N)
-        out = self.model(
-            input_ids=input_ids.view(1, T).to(self.device),  # (1, T)
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=num_logits,
-        )
+            logits = self._head(hidden[:, -num_logits:])[0]  # (num_logits, V) or (num_logits, N)
+            return (logits, hidden[0]) if return_hidden else logits
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=num_logits)
         self.length += T
         return out.logits[0, -num_logits:].float()  # (num_logits, V)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of features ``[..., H]``: the reduced head over :attr:`head_ids` (``[..., N]``),
+        else the model's own output head, called as its forward calls it (``[..., V]``)."""
+        if self.head_ids is not None:
+            return F.linear(hidden, self._head_weight, self._head_bias).float()
+        return self.model.get_output_embeddings()(hidden).float()
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (rollback).
@@ -155,8 +196,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ token trees
     @torch.inference_mode()
     def forward_masked(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor, num_logits: int | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: torch.Tensor,
+        num_logits: int | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` with explicit positions and attention (token trees).
 
         The new tokens are written to the cache after the :attr:`length` cached ones, as
@@ -170,13 +216,16 @@ class ModelRunner:
             attend: bool ``[M, length + M]``: which cache entries (old and new) token i sees; it
                 must see itself.
             num_logits: score the last this many tokens (default all M).
+            return_hidden: also return the features of all M tokens (see :meth:`forward`).
 
         Returns:
-            float32 ``[num_logits, V]`` (``[num_logits, N]`` with :attr:`head_ids`).
+            float32 ``[num_logits, V]`` (``[num_logits, N]`` with :attr:`head_ids`); with
+            ``return_hidden``, ``(logits, hidden [M, H])``.
 
         Raises:
             ValueError: bad shapes, or a model with sliding-window layers or an attention other
-                than sdpa / eager (custom masks are not supported there).
+                than sdpa / eager (custom masks are not supported there); with ``return_hidden``,
+                a model whose logits are not plain ``lm_head(hidden states)``.
             NotImplementedError: the model ignores custom masks or position ids
                 (:meth:`check_masking`).
         """
@@ -195,11 +244,14 @@ class ModelRunner:
                 f"{attend.dtype} {list(attend.shape)}, {num_logits}"
             )
         self.check_masking()
+        if return_hidden:
+            _check_decoder_logits(self.model)
         kwargs = self._masked_inputs(input_ids, position_ids, attend, self.cache)
         self.length += M
-        if self.head_ids is not None:
-            hidden = self._decoder(**kwargs).last_hidden_state[0, -num_logits:]  # (num_logits, H)
-            return F.linear(hidden, self._head_weight, self._head_bias).float()  # (num_logits, N)
+        if self.head_ids is not None or return_hidden:
+            hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # (1, M, H)
+            logits = self._head(hidden[:, -num_logits:])[0]  # (num_logits, V) or (num_logits, N)
+            return (logits, hidden[0]) if return_hidden else logits
         return self.model(**kwargs, logits_to_keep=num_logits).logits[0, -num_logits:].float()  # (num_logits, V)
 
     def _masked_inputs(

@@ -18,7 +18,9 @@ from transformers import PreTrainedModel
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossTokenizerProposer, tokenizer_of
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdecode.proposers.eagle import EagleConfig, EagleProposer
 from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
+from specdecode.proposers.medusa import MedusaConfig, MedusaProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
 
@@ -34,6 +36,9 @@ class ProposerSpec:
             proposers that share its weights), ``draft`` is None unless ``needs_draft``.
         needs_draft: a draft model must be loaded for it.
         description: one line for ``--help`` and the docs.
+        needs_target_features: the proposer reads the target's features (``needs_target_features``
+            of :mod:`.base`), which only :class:`~specdecode.engine.SpeculativeGenerator` passes
+            (the batched server refuses it).
     """
 
     name: str
@@ -41,6 +46,7 @@ class ProposerSpec:
     build: Callable[[Any, PreTrainedModel | None, PreTrainedModel | None], Proposer]
     needs_draft: bool = False
     description: str = ""
+    needs_target_features: bool = False
 
     def make_config(self, **options: Any) -> Any:
         """The validated options.
@@ -99,6 +105,14 @@ def _early_exit(config: EarlyExitConfig, target: PreTrainedModel | None, draft: 
     return EarlyExitProposer(target, config)
 
 
+def _medusa(config: MedusaConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
+    return MedusaProposer.for_target(target, config)
+
+
+def _eagle(config: EagleConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
+    return EagleProposer.for_target(target, config)
+
+
 def _prompt_lookup(config: PromptLookupConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
     return PromptLookupProposer(config)
 
@@ -123,6 +137,27 @@ register(ProposerSpec("early_exit", EarlyExitConfig, _early_exit, False, "the ta
 register(
     ProposerSpec(
         "cross_tokenizer", CrossTokenizerConfig, _cross_tokenizer, True, "a draft model with another tokenizer"
+    )
+)
+
+register(
+    ProposerSpec(
+        "medusa",
+        MedusaConfig,
+        _medusa,
+        False,
+        "trained Medusa heads on the target (--drafter)",
+        needs_target_features=True,
+    )
+)
+register(
+    ProposerSpec(
+        "eagle",
+        EagleConfig,
+        _eagle,
+        False,
+        "a trained EAGLE head on the target (--drafter)",
+        needs_target_features=True,
     )
 )
 
@@ -163,8 +198,12 @@ __all__ = [
     "DraftModelConfig",
     "DraftModelProposer",
     "DraftTokens",
+    "EagleConfig",
+    "EagleProposer",
     "EarlyExitConfig",
     "EarlyExitProposer",
+    "MedusaConfig",
+    "MedusaProposer",
     "NoOptions",
     "PromptLookupConfig",
     "PromptLookupProposer",

@@ -8,6 +8,17 @@ tree, sampling, generator) -> DraftTree`` (:mod:`specdecode.tree`; ``tree`` is a
 ``TreeShape`` or a ``DynamicTree``); the engine uses it for ``tree=`` requests and refuses a
 tree for a proposer without it. ``observe`` then gets a result whose ``path`` names the accepted
 nodes.
+
+A proposer that drafts from the target's **features** (Medusa heads, an EAGLE head) sets the class
+attribute ``needs_target_features = True`` and has ``observe_features(hidden)``. The engine then
+runs the target with ``return_hidden=True`` and, before each ``observe``, passes the features
+(``[m, H]``, the target's dtype and device: the final hidden states after the final norm, which the
+LM head turns into logits; ``f_p`` scores token ``p + 1``) of the positions that were kept, in
+order: after the prefill all T prompt positions; after a chain pass the root (the context's last
+token) and the n accepted drafts; after a tree pass the root and the accepted path. So when
+``propose`` / ``propose_tree`` gets a context of T tokens, the proposer has received exactly the
+features of positions ``0 .. T - 2`` (rejected drafts never reach it: rollback is free). The
+batched server does not pass features and refuses such proposers.
 """
 
 from __future__ import annotations
@@ -71,3 +82,7 @@ class Proposer(Protocol):
 
     def observe(self, result: VerifyResult) -> None:
         """Feedback after verification: ``result.num_accepted`` of the draft were kept."""
+
+    # Optional, for proposers that read the target's features (see the module docstring):
+    #   needs_target_features: bool = True  (class attribute; absent or False: no features)
+    #   def observe_features(self, hidden: torch.Tensor) -> None: ...  # [m, H], the kept positions in order

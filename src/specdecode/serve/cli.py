@@ -83,11 +83,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     parse_dtype(args.dtype)
     spec = get_spec(args.proposer)
+    if spec.needs_target_features:
+        raise ValueError(
+            f"--proposer {args.proposer}: it drafts from the target's hidden states, which the batched server "
+            "does not pass to proposers; use it with 'specdecode generate' or the Python API"
+        )
     settings_from_args(args, "check")  # every flag checked before any weights load
     target_dir = resolve_model_dir(args.target, "target")
     name = DEFAULT_TARGET.name if args.target is None else target_dir.name
     settings = settings_from_args(args, name)
     draft_dir = resolve_model_dir(args.draft, "draft") if spec.needs_draft or args.draft else None
+    if args.proposer == "draft_model" and draft_dir is not None:
+        from specdecode.proposers.cross_tokenizer import vocabularies_differ
+
+        if vocabularies_differ(target_dir, draft_dir):  # as from_pretrained does
+            print("specdecode serve: the draft has another vocabulary; using --proposer cross_tokenizer")
+            args.proposer = "cross_tokenizer"
+            settings = settings_from_args(args, name)
     target = load_model(target_dir, "target", args.dtype)
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -254,13 +254,31 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def proposers(self) -> list[str]:
-        """Names of the proposers a request may ask for (those whose models are loaded)."""
+        """Names of the proposers a request may ask for (those whose models are loaded; not those
+        that read the target's features, which the batched runner does not return; with a draft of
+        another vocabulary, ``cross_tokenizer`` is its only proposer)."""
         from specdecode.proposers import PROPOSERS
 
-        return sorted(n for n, s in PROPOSERS.items() if not s.needs_draft or self.draft is not None)
+        foreign = self.draft is not None and int(self.draft.get_output_embeddings().weight.shape[0]) != self.vocab_size
+        return sorted(
+            n
+            for n, s in PROPOSERS.items()
+            if (not s.needs_draft or self.draft is not None)
+            and not s.needs_target_features
+            and not (foreign and s.needs_draft and n != "cross_tokenizer")  # another vocabulary: re-tokenise
+        )
 
     def check_proposer(self, name: str) -> None:
         """Raises InvalidRequestError(param="proposer") unless ``name`` can run on this server."""
+        from specdecode.proposers import PROPOSERS
+
+        if name in PROPOSERS and PROPOSERS[name].needs_target_features:
+            raise InvalidRequestError(
+                f"proposer {name!r} drafts from the target's hidden states, which the batched server does not "
+                f"pass to proposers; use it with 'specdecode generate' or the Python API. On this server: "
+                f"{self.proposers()}",
+                "proposer",
+            )
         if name not in self.proposers():
             raise InvalidRequestError(
                 f"proposer must be one of {self.proposers()} on this server, got {name!r}", "proposer"

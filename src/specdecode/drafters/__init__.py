@@ -1,0 +1,69 @@
+"""Trained drafters (Medusa heads, an EAGLE-style head) and their training (``specdecode train-drafter``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from specdecode.drafters.heads import (
+    KINDS,
+    DrafterConfig,
+    EagleHead,
+    MedusaHeads,
+    build_drafter,
+    check_target,
+    load_drafter,
+    save_drafter,
+    target_identity,
+)
+
+
+def target_name(target: PreTrainedModel | str | Path) -> str:
+    """A file-name-safe name of a target: the last component of its folder (``name_or_path``), or of
+    the given string / path; characters other than letters, digits, ``.``, ``_`` and ``-`` become
+    ``-``. A model without a name (built in memory) is named after its :func:`target_identity`
+    config hash (``target-<hash>``)."""
+    if isinstance(target, str | Path):
+        name = str(target)
+    else:
+        name = str(getattr(target.config, "_name_or_path", "") or getattr(target, "name_or_path", "") or "")
+    last = Path(name.rstrip("/\\")).name if name else ""
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", last).strip("-.")
+    if clean:
+        return clean
+    if isinstance(target, str | Path):
+        raise ValueError(f"target name must not be empty, got {str(target)!r}")
+    return f"target-{target_identity(target)['config_hash']}"
+
+
+def default_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
+    """Where ``specdecode train-drafter --kind KIND`` saves the drafter of ``target`` by default, and
+    where the ``medusa`` / ``eagle`` proposers look for it without ``--drafter``:
+    ``<cache dir>/drafters/<kind>-<target name>`` (:func:`specdecode.models.default.cache_dir`,
+    :func:`target_name`). Nothing is created.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    from specdecode.models.default import cache_dir
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    return cache_dir() / "drafters" / f"{kind}-{target_name(target)}"
+
+
+__all__ = [
+    "KINDS",
+    "DrafterConfig",
+    "EagleHead",
+    "MedusaHeads",
+    "build_drafter",
+    "check_target",
+    "default_drafter_dir",
+    "load_drafter",
+    "save_drafter",
+    "target_identity",
+    "target_name",
+]

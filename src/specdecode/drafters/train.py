@@ -1,0 +1,712 @@
+"""Train a drafter on the target's own features and predictions (self-distillation).
+
+``specdecode train-drafter --kind medusa|eagle --out DIR`` does two things:
+
+1. **Features** (:func:`collect_features`): text that installs offline (the Python standard
+   library's source, :func:`specdecode.proposers.token_map.corpus_files`; never the benchmark
+   prompts) is tokenised and cut into sequences of ``seq_len`` tokens; the target runs over each
+   (no gradient) and we keep, per position p, the token ``x_p``, the feature ``f_p`` (final hidden
+   state after the norm, bfloat16) and ``y_p = argmax lm_head(f_p)``, the target's own prediction
+   of token ``p + 1``. Those predictions are the labels: no other model and no labelled data are
+   needed (Medusa-2's and EAGLE's self-distillation, here on the target's predictions over corpus
+   text rather than on its generations, which would take hours on a CPU). Saved as safetensors
+   shards in a features folder that both kinds reuse.
+2. **Training** (:func:`train_drafter`): AdamW on the drafter only (the target is frozen; the
+   drafter scores with the target's LM head rows of a token map built from the labels' counts).
+
+   - Medusa head i at position p: cross-entropy of its scores against ``y_{p+i}`` (the target's
+     prediction of token ``p + 1 + i``), weighted ``0.8 ** (i - 1)`` (Medusa's decay).
+   - EAGLE at position p: input (``x_{p+1}``, ``f_p`` + uniform noise in ±``noise``, EAGLE-1's
+     augmentation), output ``f^_{p+1}``; loss = SmoothL1(``f^_{p+1}``, ``f_{p+1}``) (feature
+     regression) + ``cls_weight`` x cross-entropy of its scores against ``y_{p+1}``.
+
+   A progress bar (tqdm), a step and a time budget, validation of top-1 agreement with the target
+   on held-out sequences every ``val_every`` steps, a checkpoint (drafter, optimiser, step, data
+   order) every ``save_every`` steps and at the end; ``resume=True`` continues from it.
+
+The final report (saved in ``drafter.json`` under ``training``) gives the top-1 agreement per draft
+position on the held-out sequences and the expected number of accepted tokens per step for a chain
+of k drafts, ``sum_j prod_{i<=j} a_i`` (greedy, treating positions as independent).
+For EAGLE, position j > 1 is measured autoregressively, as drafting runs (the head's own predicted
+features, attending to the true pairs before the rollout and to its own earlier steps), with the
+corpus tokens as token inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from specdecode.drafters.heads import (
+    KINDS,
+    DrafterConfig,
+    EagleHead,
+    MedusaHeads,
+    build_drafter,
+    save_drafter,
+    target_identity,
+)
+
+FEATURES_META = "features.json"
+CHECKPOINT = "checkpoint.pt"
+
+
+# ---------------------------------------------------------------- features
+def token_sequences(tokenizer: Any, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
+    """Sequences of exactly ``seq_len`` token ids from ``texts`` joined by EOS, at most ``max_tokens`` in all."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    buffer: list[int] = []
+    made = 0
+    for text in texts:
+        buffer.extend(tokenizer.encode(text, add_special_tokens=False))
+        if eos is not None:
+            buffer.append(int(eos))
+        while len(buffer) >= seq_len:
+            if made + seq_len > max_tokens:
+                return
+            yield buffer[:seq_len]
+            buffer = buffer[seq_len:]
+            made += seq_len
+
+
+@torch.inference_mode()
+def target_features(target: PreTrainedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features and predictions over a batch of sequences.
+
+    Args:
+        target: the target causal LM (eval mode).
+        ids: int64 ``[B, L]``.
+
+    Returns:
+        ``(features bfloat16 [B, L, H], predictions int64 [B, L])``: ``f_p`` and ``argmax lm_head(f_p)``.
+    """
+    hidden = target.get_decoder()(input_ids=ids.to(target.device), use_cache=False).last_hidden_state  # (B, L, H)
+    predictions = target.get_output_embeddings()(hidden).argmax(-1)  # (B, L)
+    return hidden.to("cpu", torch.bfloat16), predictions.to("cpu")
+
+
+def collect_features(
+    target: PreTrainedModel,
+    tokenizer: Any,
+    texts: Iterable[str],
+    out_dir: str | Path,
+    max_tokens: int,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    shard_sequences: int = 64,
+    progress: bool = True,
+    source: str = "",
+) -> Path:
+    """Run the target over the corpus and save features, tokens and predictions in shards.
+
+    Resumable: shards already in ``out_dir`` are kept and their sequences skipped.
+
+    Args:
+        target, tokenizer: the target and its tokenizer.
+        texts: the corpus (e.g. ``read_texts(corpus_files(["stdlib"]))``).
+        out_dir: the features folder (``shard-00000.safetensors`` ..., ``features.json``).
+        max_tokens: corpus tokens to process (a multiple of ``seq_len`` is used).
+        seq_len: tokens per sequence.
+        batch_size: sequences per target pass.
+        shard_sequences: sequences per shard file.
+        progress: show a tqdm bar.
+        source: a description of the corpus for the report.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        ValueError: ``max_tokens < seq_len`` or a features folder made for another target or shape.
+    """
+    from tqdm.auto import tqdm
+
+    if max_tokens < seq_len or seq_len < 2:
+        raise ValueError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) >= 2")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    identity = target_identity(target)
+    meta_path = out / FEATURES_META
+    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta and (meta.get("target", {}).get("weights_hash") != identity["weights_hash"] or meta["seq_len"] != seq_len):
+        raise ValueError(f"features folder {out} was made for another target or seq_len; use another --features")
+    done = sorted(out.glob("shard-*.safetensors"))
+    have = sum(int(load_file(str(p))["tokens"].shape[0]) for p in done)
+    wanted = max_tokens // seq_len
+    sequences = token_sequences(tokenizer, texts, seq_len, wanted * seq_len)
+    for _ in range(have):  # skip what earlier runs saved
+        next(sequences, None)
+    tic = time.perf_counter()
+    bar = tqdm(total=wanted, initial=have, unit="seq", desc="features", disable=not progress)
+    shard: dict[str, list[torch.Tensor]] = {"tokens": [], "features": [], "predictions": []}
+    index = len(done)
+
+    def flush() -> None:
+        nonlocal index
+        if shard["tokens"]:
+            tensors = {key: torch.cat(value) for key, value in shard.items()}
+            save_file(tensors, str(out / f"shard-{index:05d}.safetensors"))
+            index += 1
+            for value in shard.values():
+                value.clear()
+
+    batch: list[list[int]] = []
+    count = have
+    for seq in sequences:
+        batch.append(seq)
+        if len(batch) == batch_size:
+            ids = torch.tensor(batch, dtype=torch.int64)
+            features, predictions = target_features(target, ids)
+            shard["tokens"].append(ids)
+            shard["features"].append(features)
+            shard["predictions"].append(predictions)
+            count += len(batch)
+            bar.update(len(batch))
+            batch = []
+            if sum(t.shape[0] for t in shard["tokens"]) >= shard_sequences:
+                flush()
+    if batch:
+        ids = torch.tensor(batch, dtype=torch.int64)
+        features, predictions = target_features(target, ids)
+        shard["tokens"].append(ids)
+        shard["features"].append(features)
+        shard["predictions"].append(predictions)
+        count += len(batch)
+        bar.update(len(batch))
+    flush()
+    bar.close()
+    elapsed = time.perf_counter() - tic
+    meta = {
+        "target": identity,
+        "seq_len": seq_len,
+        "sequences": count,
+        "tokens": count * seq_len,
+        "source": source or meta.get("source", ""),
+        "seconds": round(float(meta.get("seconds", 0.0)) + elapsed, 1),
+    }
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def load_features(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All shards of a features folder: ``tokens`` int64 ``[S, L]``, ``features`` bfloat16 ``[S, L, H]``,
+    ``predictions`` int64 ``[S, L]``.
+
+    Raises:
+        FileNotFoundError: no shards in ``folder``.
+    """
+    paths = sorted(Path(folder).glob("shard-*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no feature shards in {folder}")
+    shards = [load_file(str(p)) for p in paths]
+    return {key: torch.cat([s[key] for s in shards]) for key in ("tokens", "features", "predictions")}
+
+
+# ---------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    """Training options (``specdecode train-drafter`` flags of the same names).
+
+    Attributes:
+        kind: ``"medusa"`` or ``"eagle"``.
+        draft_vocab_size: N, the token map size (most frequent target predictions, special tokens first).
+        num_heads: Medusa heads K (tokens drafted per step at most).
+        intermediate_size: EAGLE's MLP width (None: half the target's).
+        batch_size: sequences per optimiser step.
+        lr: AdamW peak learning rate (linear warm-up over 5% of ``max_steps`` (at most 30 steps), then cosine decay to 0
+            at the end of the step or the time budget, whichever comes first).
+        max_steps: step budget.
+        time_budget_s: wall-clock budget in seconds for training (None: no limit).
+        val_fraction: share of sequences held out for validation.
+        val_every: validate every this many steps.
+        save_every: checkpoint every this many steps.
+        noise: EAGLE's uniform feature noise half-width.
+        cls_weight: EAGLE's weight of the classification loss.
+        loss_positions: positions per sequence where the LM-head losses are computed each step
+            (random; None: all). The LM-head rows dominate a step's cost on a CPU.
+        seed: data order and initialisation.
+    """
+
+    kind: str = "eagle"
+    draft_vocab_size: int = 32768
+    num_heads: int = 4
+    intermediate_size: int | None = None
+    batch_size: int = 4
+    lr: float = 1e-3
+    max_steps: int = 2000
+    time_budget_s: float | None = None
+    val_fraction: float = 0.05
+    val_every: int = 200
+    save_every: int = 200
+    noise: float = 0.1
+    cls_weight: float = 0.1
+    loss_positions: int | None = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}")
+        for name in ("draft_vocab_size", "num_heads", "batch_size", "max_steps", "val_every", "save_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s must be > 0 or None, got {self.time_budget_s!r}")
+
+
+def head_ids_from_predictions(predictions: torch.Tensor, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
+    """Token map: ``always`` (special tokens) then the target's most frequent predictions; int64 ``[size]``."""
+    from specdecode.proposers.token_map import token_map_from_counts
+
+    counts = np.bincount(predictions.reshape(-1).numpy(), minlength=vocab_size)[:vocab_size]
+    return token_map_from_counts(counts, min(size, vocab_size), always)
+
+
+def _column_labels(labels: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids -> their column in the token map, -100 (ignored) outside it."""
+    column = torch.full((vocab_size,), -100, dtype=torch.int64)
+    column[head_ids] = torch.arange(head_ids.shape[0])
+    return column[labels]
+
+
+def _sample_positions(B: int, span: int, count: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """int64 ``[B, m]``: ``m = min(count, span)`` distinct positions in ``[0, span)`` per row (all if None)."""
+    if count is None or count >= span:
+        return torch.arange(span).expand(B, span)
+    return torch.stack([torch.randperm(span, generator=generator)[:count] for _ in range(B)])
+
+
+def medusa_loss(
+    drafter: MedusaHeads,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    loss_positions: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Medusa loss on a batch.
+
+    Args:
+        features: ``[B, L, H]``.
+        labels: int64 ``[B, L]`` map columns of the target's predictions ``y_p`` (-100 outside the map).
+        loss_positions: positions per sequence the loss is computed at (random, distinct; None: all).
+            The LM-head rows dominate the cost, so a sample keeps a CPU step short.
+        generator: for the sample.
+
+    Returns:
+        ``(loss, correct [K], counted [K])``: the weighted cross-entropy and per-head top-1 hits.
+    """
+    K = drafter.config.num_heads
+    B, L = labels.shape
+    picked = _sample_positions(B, L - K, loss_positions, generator)  # (B, m): positions p
+    rows = torch.arange(B).view(B, 1)
+    hidden = drafter(features[rows, picked].float())  # (B, m, K, H)
+    total = features.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(K, dtype=torch.int64)
+    counted = torch.zeros(K, dtype=torch.int64)
+    for i in range(1, K + 1):
+        logits = drafter.logits(hidden[:, :, i - 1])  # (B, m, N)
+        target = labels[rows, picked + i]  # y_{p+i}
+        total = total + 0.8 ** (i - 1) * F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        with torch.no_grad():
+            valid = target >= 0
+            correct[i - 1] = int(((logits.argmax(-1) == target) & valid).sum())
+            counted[i - 1] = int(valid.sum())
+    return total, correct, counted
+
+
+def eagle_loss(
+    drafter: EagleHead,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    noise: float,
+    cls_weight: float,
+    loss_positions: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE loss on a batch (teacher forcing; see the module docstring).
+
+    Args:
+        tokens: int64 ``[B, L]``; features: ``[B, L, H]``; labels: int64 ``[B, L]`` map columns of ``y_p``.
+        noise, cls_weight: see :class:`TrainConfig`.
+        loss_positions: positions per sequence the classification loss is computed at (random; None:
+            all); the regression loss uses every position.
+        generator: for the sample.
+
+    Returns:
+        ``(loss, correct [1], counted [1])``.
+    """
+    B, L = tokens.shape
+    inputs = features[:, :-1].float()
+    if noise > 0:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+    positions = torch.arange(1, L).expand(B, L - 1)
+    predicted = drafter(inputs, tokens[:, 1:], positions)  # (B, L - 1, H): f^_{p+1}
+    regression = F.smooth_l1_loss(predicted.float(), features[:, 1:].float())
+    picked = _sample_positions(B, L - 1, loss_positions, generator)  # (B, m)
+    rows = torch.arange(B).view(B, 1)
+    logits = drafter.logits(predicted[rows, picked])  # (B, m, N)
+    target = labels[:, 1:][rows, picked]
+    classification = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    with torch.no_grad():
+        valid = target >= 0
+        correct = torch.tensor([int(((logits.argmax(-1) == target) & valid).sum())])
+        counted = torch.tensor([int(valid.sum())])
+    return regression + cls_weight * classification, correct, counted
+
+
+@torch.no_grad()
+def validate(
+    drafter: MedusaHeads | EagleHead,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    depth: int = 4,
+    batch_size: int = 4,
+) -> list[float]:
+    """Top-1 agreement with the target per draft position 1..depth on held-out sequences.
+
+    Medusa: head j's top-1 against ``y_{p+j}``. EAGLE: position 1 from the true feature ``f_p``;
+    position j > 1 autoregressive from its own predicted features (token inputs: the target's
+    tokens ``x``), scored against ``y_{p+j}``.
+
+    Returns:
+        ``[depth]`` agreements in [0, 1] (Medusa: ``min(depth, K)`` of them).
+    """
+    drafter.eval()
+    hits = torch.zeros(depth, dtype=torch.float64)
+    total = torch.zeros(depth, dtype=torch.float64)
+    L = tokens.shape[1]
+    for start in range(0, tokens.shape[0], batch_size):
+        x = tokens[start : start + batch_size]
+        f = features[start : start + batch_size].float()
+        y = labels[start : start + batch_size]
+        if isinstance(drafter, MedusaHeads):
+            K = min(depth, drafter.config.num_heads)
+            hidden = drafter(f[:, : L - K])  # (B, L - K, K, H)
+            for j in range(1, K + 1):
+                target = y[:, j : L - K + j]
+                valid = target >= 0
+                hits[j - 1] += float(((drafter.logits(hidden[:, :, j - 1]).argmax(-1) == target) & valid).sum())
+                total[j - 1] += float(valid.sum())
+            continue
+        B = x.shape[0]
+        span = L - depth  # rollouts start at p = 0 .. span - 1
+        cache = drafter.new_cache()
+        current = f[:, :span]  # step 1: the true features f_p, causal over the true pairs (as the cache holds)
+        dtype = drafter.fc.weight.dtype
+        lower = torch.ones(span, span, dtype=torch.bool).tril()
+        eye = torch.eye(span, dtype=torch.bool)
+        for j in range(1, depth + 1):
+            positions = torch.arange(j, span + j).expand(B, span)
+            mask = None
+            if j > 1:  # rollout p sees the true pairs q <= p and its own earlier steps only
+                allowed = torch.cat([lower] + [eye] * (j - 1), dim=1)  # (span, span * j)
+                additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+                mask = {"full_attention": additive.view(1, 1, *allowed.shape).expand(B, 1, *allowed.shape)}
+            predicted = drafter(current, x[:, j : span + j], positions, cache, mask)  # (B, span, H): f^_{p+j}
+            target = y[:, j : span + j]
+            valid = target >= 0
+            hits[j - 1] += float(((drafter.logits(predicted).argmax(-1) == target) & valid).sum())
+            total[j - 1] += float(valid.sum())
+            current = predicted
+    drafter.train()
+    kept = total > 0
+    return (hits[kept] / total[kept]).tolist()
+
+
+def expected_accepted(agreement: list[float]) -> float:
+    """``sum_j prod_{i<=j} a_i``: expected accepted drafts per step of a chain (independence assumed)."""
+    out, running = 0.0, 1.0
+    for a in agreement:
+        running *= a
+        out += running
+    return out
+
+
+def train_drafter(
+    target: PreTrainedModel,
+    features_dir: str | Path,
+    out_dir: str | Path,
+    config: TrainConfig,
+    always_ids: list[int] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train a drafter on collected features; save it in ``out_dir``; return the training report.
+
+    Args:
+        target: the frozen target (its LM head rows score the drafter's outputs).
+        features_dir: made by :func:`collect_features` for this target.
+        out_dir: where the drafter (and ``checkpoint.pt``) go.
+        config: :class:`TrainConfig`.
+        always_ids: token ids always in the token map (the tokenizer's special tokens).
+        resume: continue from ``out_dir/checkpoint.pt`` if present.
+        progress: show a tqdm bar.
+
+    Returns:
+        the report saved in ``drafter.json`` under ``training``.
+
+    Raises:
+        ValueError: features made for another target, or too few sequences to hold some out.
+    """
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(config.seed)
+    meta = json.loads((Path(features_dir) / FEATURES_META).read_text())
+    identity = target_identity(target)
+    if meta["target"]["weights_hash"] != identity["weights_hash"]:
+        raise ValueError(f"features in {features_dir} were made with another target")
+    data = load_features(features_dir)
+    S = data["tokens"].shape[0]
+    n_val = max(1, int(round(S * config.val_fraction)))
+    if S - n_val < 1:
+        raise ValueError(f"features in {features_dir} hold {S} sequences: too few to hold {n_val} out")
+    order = torch.randperm(S, generator=torch.Generator().manual_seed(config.seed))
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    V = identity["vocab_size"]
+    head_ids = head_ids_from_predictions(data["predictions"][train_idx], V, config.draft_vocab_size, always_ids or [])
+    labels = _column_labels(data["predictions"], head_ids, V)  # (S, L)
+    coverage = float((labels[train_idx] >= 0).float().mean())
+
+    drafter_config = DrafterConfig.for_target(
+        config.kind, target, int(head_ids.shape[0]), config.num_heads, config.intermediate_size
+    )
+    drafter = build_drafter(drafter_config, head_ids)
+    target.requires_grad_(False)
+    drafter.attach(target, check=False, dtype=torch.float32)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warmup = max(1, min(config.max_steps // 20, 30))  # short: CPU runs are a few hundred steps
+
+    def lr_at(step: int, elapsed_s: float) -> float:
+        """Linear warm-up, then cosine decay to 0 at whichever budget (steps or time) ends first."""
+        if step < warmup:
+            return config.lr * (step + 1) / warmup
+        done = (step - warmup) / max(1, config.max_steps - warmup)
+        if config.time_budget_s is not None:
+            done = max(done, elapsed_s / config.time_budget_s)
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step, elapsed_before, history = 0, 0.0, []
+    if resume and (out / CHECKPOINT).is_file():
+        state = torch.load(out / CHECKPOINT, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed_before, history = state["step"], state["elapsed_s"], state["history"]
+        if not torch.equal(state["head_ids"], head_ids):
+            raise ValueError("checkpoint was made with another token map (different features or options)")
+
+    def checkpoint() -> None:
+        torch.save(
+            {
+                "drafter": drafter.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "elapsed_s": elapsed_before + (time.perf_counter() - tic),
+                "history": history,
+                "head_ids": head_ids,
+            },
+            out / CHECKPOINT,
+        )
+
+    sampler = torch.Generator().manual_seed(config.seed + step)
+    tic = time.perf_counter()
+    batches_per_epoch = max(1, train_idx.shape[0] // config.batch_size)
+    bar = tqdm(total=config.max_steps, initial=step, unit="step", desc=f"train {config.kind}", disable=not progress)
+    loss_avg = None
+    correct_sum = torch.zeros(config.num_heads if config.kind == "medusa" else 1)
+    counted_sum = torch.zeros_like(correct_sum)
+    stop_reason = "max_steps"
+    while step < config.max_steps:
+        if config.time_budget_s is not None and elapsed_before + time.perf_counter() - tic > config.time_budget_s:
+            stop_reason = "time_budget"
+            break
+        epoch, position = divmod(step, batches_per_epoch)
+        perm = train_idx[
+            torch.randperm(train_idx.shape[0], generator=torch.Generator().manual_seed(config.seed + epoch))
+        ]
+        idx = perm[position * config.batch_size : (position + 1) * config.batch_size]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, elapsed_before + time.perf_counter() - tic)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
+            if isinstance(drafter, MedusaHeads):
+                loss, correct, counted = medusa_loss(
+                    drafter, data["features"][idx], labels[idx], config.loss_positions, sampler
+                )
+            else:
+                loss, correct, counted = eagle_loss(
+                    drafter,
+                    data["tokens"][idx],
+                    data["features"][idx],
+                    labels[idx],
+                    config.noise,
+                    config.cls_weight,
+                    config.loss_positions,
+                    sampler,
+                )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        value = float(loss.detach())
+        loss_avg = value if loss_avg is None else 0.95 * loss_avg + 0.05 * value
+        correct_sum += correct
+        counted_sum += counted
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.3f}", top1=f"{float(correct_sum[0] / counted_sum[0].clamp(min=1)):.3f}")
+        if step % config.val_every == 0:
+            agreement = validate(
+                drafter,
+                data["tokens"][val_idx],
+                data["features"][val_idx],
+                labels[val_idx],
+                batch_size=config.batch_size,
+            )
+            history.append({"step": step, "loss": round(loss_avg, 4), "val_top1": [round(a, 4) for a in agreement]})
+            bar.write(
+                f"step {step}: loss {loss_avg:.3f}, held-out top-1 per position {[round(a, 3) for a in agreement]}"
+            )
+            correct_sum.zero_()
+            counted_sum.zero_()
+        if step % config.save_every == 0:
+            checkpoint()
+    bar.close()
+    checkpoint()
+    train_seconds = elapsed_before + time.perf_counter() - tic
+    agreement = validate(drafter, data["tokens"][val_idx], data["features"][val_idx], labels[val_idx])
+    report = {
+        "data": {
+            "source": meta.get("source", ""),
+            "train_sequences": int(train_idx.shape[0]),
+            "val_sequences": int(n_val),
+            "seq_len": int(meta["seq_len"]),
+            "train_tokens": int(train_idx.shape[0]) * int(meta["seq_len"]),
+            "feature_seconds": meta.get("seconds"),
+        },
+        "token_map_coverage": round(coverage, 4),
+        "steps": step,
+        "stopped_by": stop_reason,
+        "train_seconds": round(train_seconds, 1),
+        "config": asdict(config),
+        "val_top1_per_position": [round(a, 4) for a in agreement],
+        "expected_accepted_per_step": {
+            str(k): round(expected_accepted(agreement[:k]), 3) for k in range(1, len(agreement) + 1)
+        },
+        "history": history,
+        "parameters": int(sum(p.numel() for p in drafter.parameters())),
+    }
+    drafter.config.training = report
+    save_drafter(drafter, out)
+    return report
+
+
+# ---------------------------------------------------------------- command line
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``specdecode train-drafter``."""
+    p = subparsers.add_parser(
+        "train-drafter",
+        help="train Medusa heads or an EAGLE-style head for a target on its own features (self-distillation)",
+    )
+    p.add_argument("--kind", choices=KINDS, required=True)
+    p.add_argument("--target", default=None, help="HF model folder or .gguf (default: Qwen2.5-Coder-1.5B-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype for features")
+    p.add_argument(
+        "--data",
+        action="append",
+        help="corpus: 'stdlib' (Python's standard library source, default), 'site-packages' (packaged prose), "
+        "or a folder of .py/.md/.txt files (repeatable)",
+    )
+    p.add_argument("--features", default=None, help="features folder (default: <cache>/features/<target>-<data>)")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="corpus tokens to run the target over")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--out", default=None, help="drafter folder (default: the folder --proposer KIND looks in)")
+    defaults = TrainConfig()
+    for name in ("draft_vocab_size", "num_heads", "batch_size", "max_steps", "val_every", "save_every", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default: half the target's)")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument(
+        "--loss-positions",
+        type=int,
+        default=defaults.loss_positions,
+        help="positions per sequence scored by the LM head each step (default 128; 0 = all)",
+    )
+    p.add_argument("--time-budget-min", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_drafter)
+    return p
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specdecode.drafters import default_drafter_dir
+    from specdecode.models.default import cache_dir
+    from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from specdecode.proposers.token_map import corpus_files, read_texts, special_token_ids
+
+    config = TrainConfig(
+        kind=args.kind,
+        draft_vocab_size=args.draft_vocab_size,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        max_steps=args.max_steps,
+        time_budget_s=None if args.time_budget_min is None else args.time_budget_min * 60.0,
+        val_every=args.val_every,
+        save_every=args.save_every,
+        loss_positions=args.loss_positions or None,
+        seed=args.seed,
+    )
+    sources = args.data or ["stdlib"]
+    files = corpus_files(sources)  # bad sources fail before the model loads
+    random.Random(args.seed).shuffle(files)  # a sample across the corpus, not its first files alphabetically
+    target_dir = resolve_model_dir(args.target, "target")
+    target = load_model(target_dir, "target", args.dtype)
+    tokenizer = load_tokenizer(target_dir)
+    identity = target_identity(target)
+    tag = "-".join(Path(s).name or "corpus" for s in sources)
+    features = (
+        Path(args.features)
+        if args.features
+        else (cache_dir() / "features" / f"{identity['weights_hash']}-{tag}-{args.seq_len}")
+    )
+    print(f"train-drafter: {len(files)} corpus files ({', '.join(sources)}); features in {features}")
+    collect_features(
+        target,
+        tokenizer,
+        read_texts(files),
+        features,
+        args.max_tokens,
+        args.seq_len,
+        progress=not args.no_progress,
+        source=", ".join(sources),
+    )
+    out = Path(args.out) if args.out else default_drafter_dir(args.kind, target)
+    report = train_drafter(
+        target, features, out, config, special_token_ids(tokenizer), resume=args.resume, progress=not args.no_progress
+    )
+    print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
+    print(f"train-drafter: saved {args.kind} drafter in {out}")
+    return 0

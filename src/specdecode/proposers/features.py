@@ -1,0 +1,170 @@
+"""What the proposers that draft from the target's features share (:mod:`.medusa`, :mod:`.eagle`).
+
+Both take a trained drafter (:mod:`specdecode.drafters.heads`) and read the target's *features*
+``f_p`` (its final hidden states, ``lm_head(f_p)`` scores token ``p + 1``), which the engine passes
+to ``observe_features`` (``needs_target_features = True``, see :mod:`.base`). Their drafts are
+scored over the drafter's token map (``head_ids``, N tokens): greedy takes the argmax over the map;
+sampling applies the request's temperature / top-k / top-p to the map's logits and returns ``q``
+over the full vocabulary, zero outside the map, so rejection sampling stays exact (as
+:class:`~specdecode.proposers.draft_model.DraftModelProposer` does with a token map).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.drafters import default_drafter_dir
+from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
+from specdecode.sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass(frozen=True)
+class TrainedDrafterConfig:
+    """Options of the proposers with a trained drafter (:class:`~.medusa.MedusaConfig`,
+    :class:`~.eagle.EagleConfig`).
+
+    Attributes:
+        drafter: the drafter's folder (``drafter.json`` + ``model.safetensors``, written by
+            ``specdecode train-drafter``); None: the default folder for the target,
+            :func:`specdecode.drafters.default_drafter_dir`.
+        draft_confidence: stop drafting as soon as the drafter's top probability (over its token
+            map, after the request's temperature / top-k / top-p; plain softmax when greedy) falls
+            below this value, in [0, 1); 0 drafts all k tokens (as in
+            :class:`~specdecode.proposers.draft_model.DraftModelConfig`).
+
+    Raises:
+        ValueError: ``draft_confidence`` outside [0, 1), or ``drafter`` not a path.
+        FileNotFoundError: ``drafter`` names a folder without a saved drafter (checked here, before
+            any model loads).
+    """
+
+    kind: ClassVar[str] = ""  # the drafter kind, set by each subclass (not an option)
+
+    drafter: str | None = field(
+        default=None,
+        metadata={"help": "folder of a trained drafter (default: <cache>/drafters/KIND-TARGET from train-drafter)"},
+    )
+    draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft_confidence, int | float) or not 0.0 <= self.draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must be a number in [0, 1), got {self.draft_confidence!r}")
+        if self.drafter is not None:
+            if not isinstance(self.drafter, str | os.PathLike) or not str(self.drafter):
+                raise ValueError(f"drafter must be a folder path, got {self.drafter!r}")
+            object.__setattr__(self, "drafter", str(self.drafter))
+            check_drafter_dir(Path(self.drafter), self.kind)
+
+
+def check_drafter_dir(path: Path, kind: str, default: bool = False) -> None:
+    """Raise FileNotFoundError, saying how to make one, unless ``path`` holds a saved drafter."""
+    if (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file():
+        return
+    where = f"the default drafter folder {path}" if default else f"--drafter {path}"
+    raise FileNotFoundError(
+        f"{kind} proposer: {where} holds no trained drafter ({CONFIG_FILE} and {WEIGHTS_FILE}); train one "
+        f"with `specdecode train-drafter --kind {kind}`" + (" or give --drafter DIR" if default else "")
+    )
+
+
+def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedModel | None) -> MedusaHeads | EagleHead:
+    """The drafter of ``config`` (or the default one for ``target``), attached to ``target``.
+
+    Raises:
+        ValueError: no target given.
+        FileNotFoundError: no saved drafter there (the message names ``specdecode train-drafter``).
+        IncompatibleModelsError: the drafter was trained for another target.
+    """
+    if target is None:
+        raise ValueError(f"proposer {kind!r} needs the target model (its drafter reads the target's features)")
+    default = config.drafter is None
+    path = default_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]
+    check_drafter_dir(path, kind, default)
+    return load_drafter(path, target, kind)
+
+
+class FeatureLog:
+    """The target features a proposer has received since ``reset``: how many (``count``: positions
+    ``0 .. count - 1``), and the rows of the positions from ``start`` on (older rows are dropped)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.rows: torch.Tensor | None = None  # (count - start, H)
+
+    @property
+    def start(self) -> int:
+        return self.count - (0 if self.rows is None else int(self.rows.shape[0]))
+
+    def add(self, hidden: torch.Tensor) -> None:
+        """Append the features of the next ``m`` positions: ``[m, H]``."""
+        if hidden.dim() != 2:
+            raise ValueError(f"features must be [m, H], got {list(hidden.shape)}")
+        self.rows = hidden if self.rows is None else torch.cat([self.rows, hidden])
+        self.count += int(hidden.shape[0])
+
+    def get(self, begin: int, end: int) -> torch.Tensor:
+        """Features of positions ``[begin, end)``: ``[end - begin, H]``."""
+        if self.rows is None or not self.start <= begin <= end <= self.count:
+            raise ValueError(f"features of positions [{begin}, {end}) are not kept ({self.start}..{self.count})")
+        return self.rows[begin - self.start : end - self.start]
+
+    def drop_before(self, position: int) -> None:
+        """Forget the rows of positions before ``position``."""
+        if self.rows is not None and position > self.start:
+            self.rows = self.rows[position - self.start :]
+
+
+def check_features(name: str, known: int, T: int) -> None:
+    """Raise RuntimeError unless the features of positions ``0 .. T - 2`` (and no more) are known."""
+    if known != T - 1:
+        raise RuntimeError(
+            f"{name} proposer: it knows the target's features of {known} positions but the context has {T} "
+            f"tokens (it needs {T - 1}); it must run inside SpeculativeGenerator, which passes them "
+            "(needs_target_features)"
+        )
+
+
+def pick_token(
+    logits: torch.Tensor,
+    head_ids: torch.Tensor,
+    vocab_size: int,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    confidence: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """One draft token from the drafter's scores over its token map.
+
+    Args:
+        logits: float ``[N]``, column j scores token ``head_ids[j]``.
+        head_ids: int64 ``[N]``.
+        vocab_size: V.
+        sampling, generator: the request's.
+        confidence: also compute the top probability (for ``draft_confidence``).
+
+    Returns:
+        ``(token, q, top)``: int64 ``[1]`` full-vocabulary id on the CPU; float32 ``[V]`` the
+        distribution it was sampled from (zero outside the map), or None when greedy; the top
+        probability over the map (0.0 unless ``confidence``).
+    """
+    if sampling.greedy:
+        j = logits.argmax().view(1)  # (1,)
+        top = float(torch.softmax(logits.float(), -1)[j]) if confidence else 0.0
+        return head_ids[j].cpu(), None, top
+    q = logits_to_probs(logits, sampling)  # (N,)
+    j = sample(q, generator).view(1)  # (1,)
+    full = q.new_zeros(vocab_size).index_copy_(0, head_ids, q)  # (V,)
+    return head_ids[j].cpu(), full, float(q.max()) if confidence else 0.0
+
+
+def rank_scores(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Log-probabilities that rank tree candidates: float32 ``[..., N] -> [..., N]``, after the
+    request's temperature / top-k / top-p (plain log-softmax when greedy)."""
+    if sampling.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return logits_to_probs(logits, sampling).log()

@@ -1,0 +1,158 @@
+"""``specdecode train-drafter``: features, self-distillation training, validation, checkpoints, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.drafters import build_drafter, load_drafter
+from specdecode.drafters.train import (
+    TrainConfig,
+    collect_features,
+    expected_accepted,
+    load_features,
+    token_sequences,
+    train_drafter,
+    validate,
+)
+from specdecode.engine import SpeculativeGenerator
+from specdecode.proposers import make_proposer
+
+from conftest import CORPUS, make_tiny_model
+from reference import target_only_greedy
+
+TEXTS = CORPUS * 12
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    return make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+
+
+@pytest.fixture(scope="module")
+def features(target, tiny_tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("features")
+    collect_features(target, tiny_tokenizer, TEXTS, folder, max_tokens=32 * 24, seq_len=32, batch_size=4,
+                     shard_sequences=8, progress=False, source="conftest corpus")  # fmt: skip
+    return folder
+
+
+def test_sequences_are_cut_to_length_and_budget(tiny_tokenizer):
+    seqs = list(token_sequences(tiny_tokenizer, TEXTS, seq_len=16, max_tokens=100))
+    assert len(seqs) == 6 and all(len(s) == 16 for s in seqs)  # 6 * 16 <= 100 < 7 * 16
+    joined = sum(seqs, [])
+    eos = tiny_tokenizer.eos_token_id
+    first = tiny_tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    assert joined[: len(first) + 1] == [*first, eos]  # texts joined by EOS, in order
+
+
+def test_features_are_the_targets_final_hidden_states_and_predictions(target, features):
+    data = load_features(features)
+    meta = json.loads((features / "features.json").read_text())
+    assert data["tokens"].shape == (24, 32) and meta["tokens"] == 24 * 32 and meta["source"] == "conftest corpus"
+    assert len(list(features.glob("shard-*.safetensors"))) == 3  # 8 sequences per shard
+    ids = data["tokens"][5:7]
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    hidden = target.model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(data["features"][5:7].float(), hidden.to(torch.bfloat16).float())
+    assert torch.equal(data["predictions"][5:7], out.logits.argmax(-1))
+
+
+def test_collecting_again_resumes_and_another_target_is_refused(target, tiny_tokenizer, features, tmp_path):
+    before = sorted(p.stat().st_mtime_ns for p in features.glob("shard-*"))
+    collect_features(target, tiny_tokenizer, TEXTS, features, max_tokens=32 * 24, seq_len=32, progress=False)
+    assert sorted(p.stat().st_mtime_ns for p in features.glob("shard-*")) == before  # nothing recomputed
+    other = make_tiny_model(vocab_size=target.config.vocab_size, seed=5)
+    with pytest.raises(ValueError, match="another target"):
+        collect_features(other, tiny_tokenizer, TEXTS, features, max_tokens=32 * 24, seq_len=32, progress=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        collect_features(target, tiny_tokenizer, TEXTS, tmp_path, max_tokens=8, seq_len=32, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_training_learns_saves_resumes_and_stays_lossless(kind, target, tiny_tokenizer, features, tmp_path):
+    config = TrainConfig(kind=kind, draft_vocab_size=64, num_heads=3, intermediate_size=64, batch_size=4,
+                         lr=1e-2, max_steps=100, val_every=50, save_every=50, loss_positions=16)  # fmt: skip
+    data = load_features(features)
+    eos = [tiny_tokenizer.eos_token_id]
+    report = train_drafter(target, features, tmp_path, config, eos, progress=False)
+    assert report["steps"] == 100 and report["stopped_by"] == "max_steps"
+    assert [h["step"] for h in report["history"]] == [50, 100]
+    assert report["data"]["train_sequences"] + report["data"]["val_sequences"] == 24
+    first = report["val_top1_per_position"][0]
+    assert len(report["val_top1_per_position"]) == (3 if kind == "medusa" else 4)
+    assert report["expected_accepted_per_step"]["1"] == pytest.approx(first, abs=1e-3)
+
+    drafter = load_drafter(tmp_path, target, kind)
+    assert drafter.config.training["steps"] == 100 and int(drafter.head_ids[0]) == eos[0]  # special tokens first
+    # trained, the drafter agrees with the target's predictions more often than before training
+    labels = _labels(data, drafter)
+    trained = validate(drafter.float(), data["tokens"], data["features"], labels, depth=1)[0]
+    fresh = build_drafter(drafter.config, drafter.head_ids).attach(target, dtype=torch.float32)
+    assert trained > validate(fresh, data["tokens"], data["features"], labels, depth=1)[0] + 0.04
+
+    # resume: continue from the checkpoint to a larger step budget
+    longer = TrainConfig(**{**config.__dict__, "max_steps": 110})
+    again = train_drafter(target, features, tmp_path, longer, eos, resume=True, progress=False)
+    assert again["steps"] == 110 and [h["step"] for h in again["history"]] == [50, 100]
+
+    # the trained drafter is lossless: greedy output equals the target's alone (float32)
+    proposer = make_proposer(kind, target=target, drafter=str(tmp_path))
+    generator = SpeculativeGenerator(target, tokenizer=tiny_tokenizer, proposer=proposer)
+    prompt = tiny_tokenizer.encode(CORPUS[0])
+    result = generator.generate(prompt, num_speculative_tokens=3, sampling=None)
+    assert result.token_ids == target_only_greedy(target, prompt, len(result.token_ids))
+    assert result.stats.accepted_tokens > 0  # and it drafts tokens the target keeps
+
+
+def _labels(data, drafter):
+    column = torch.full((drafter.config.vocab_size,), -100, dtype=torch.int64)
+    column[drafter.head_ids] = torch.arange(drafter.head_ids.shape[0])
+    return column[data["predictions"]]
+
+
+def test_time_budget_stops_training(target, features, tmp_path):
+    config = TrainConfig(kind="medusa", draft_vocab_size=32, max_steps=10_000, time_budget_s=1.0, val_every=10_000,
+                         save_every=10_000)  # fmt: skip
+    report = train_drafter(target, features, tmp_path, config, progress=False)
+    assert report["stopped_by"] == "time_budget" and 0 < report["steps"] < 10_000
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="kind"):
+        TrainConfig(kind="hydra")
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainConfig(max_steps=0)
+    with pytest.raises(ValueError, match="val_fraction"):
+        TrainConfig(val_fraction=1.0)
+
+
+def test_expected_accepted_is_the_sum_of_running_products():
+    assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx(0.5 + 0.25 + 0.25)
+    assert expected_accepted([]) == 0.0
+
+
+def test_cli_trains_on_a_folder_corpus_into_the_default_folder(target, tiny_tokenizer, tmp_path, monkeypatch, capsys):
+    from specdecode.cli import main
+    from specdecode.drafters import default_drafter_dir
+
+    target_dir, corpus = tmp_path / "tiny-target", tmp_path / "corpus"
+    target.save_pretrained(target_dir)
+    tiny_tokenizer.save_pretrained(target_dir)
+    corpus.mkdir()
+    for i, text in enumerate(TEXTS):
+        (corpus / f"f{i}.py").write_text(text)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    argv = ["train-drafter", "--kind", "eagle", "--target", str(target_dir), "--dtype", "float32", "--data",
+            str(corpus), "--max-tokens", "512", "--seq-len", "32", "--max-steps", "4", "--draft-vocab-size", "50",
+            "--intermediate-size", "32", "--val-every", "2", "--save-every", "2", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    folder = default_drafter_dir("eagle", target_dir)
+    saved = json.loads((folder / "drafter.json").read_text())
+    assert saved["kind"] == "eagle" and saved["training"]["steps"] == 4 and saved["draft_vocab_size"] == 50
+    assert saved["training"]["data"]["source"] == str(corpus)
+    assert "saved eagle drafter" in capsys.readouterr().out
+    assert main(["train-drafter", "--kind", "eagle", "--data", str(tmp_path / "nowhere")]) == 2
