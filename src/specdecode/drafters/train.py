@@ -229,7 +229,8 @@ class TrainConfig:
             at the end of the step or the time budget, whichever comes first).
         max_steps: step budget.
         time_budget_s: wall-clock budget in seconds for training (None: no limit).
-        val_fraction: share of sequences held out for validation.
+        val_fraction: share of sequences held out for validation: the last ones collected (the
+            corpus files are shuffled before collection, so these are other files).
         val_every: validate every this many steps.
         save_every: checkpoint every this many steps.
         noise: EAGLE's uniform feature noise half-width.
@@ -478,8 +479,9 @@ def train_drafter(
     n_val = max(1, int(round(S * config.val_fraction)))
     if S - n_val < 1:
         raise ValueError(f"features in {features_dir} hold {S} sequences: too few to hold {n_val} out")
-    order = torch.randperm(S, generator=torch.Generator().manual_seed(config.seed))
-    val_idx, train_idx = order[:n_val], order[n_val:]
+    # held out: the last sequences of the stream (other files than most training sequences; a random
+    # split would validate on chunks of the very files trained on, which overstates agreement)
+    val_idx, train_idx = torch.arange(S - n_val, S), torch.arange(S - n_val)
     V = identity["vocab_size"]
     head_ids = head_ids_from_predictions(data["predictions"][train_idx], V, config.draft_vocab_size, always_ids or [])
     labels = _column_labels(data["predictions"], head_ids, V)  # (S, L)
