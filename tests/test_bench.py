@@ -268,7 +268,7 @@ def test_methods_with_options_and_schedules(models, questions):
         ("prompt_lookup(colour=red)", "does not take"),
         ("prompt_lookup+sometimes", "schedule"),
         ("prompt_lookup(max_ngram)", "key=value"),
-        ("medusa", "unknown method"),
+        ("hydra", "unknown method"),
     ],
 )
 def test_bad_method_specs(name, message):

@@ -59,7 +59,7 @@ def test_bad_config(kwargs: dict, name: str) -> None:
 
 def test_unknown_proposer() -> None:
     with pytest.raises(ValueError, match="proposer must be one of"):
-        make_proposer("medusa")
+        make_proposer("hydra")
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
