@@ -41,12 +41,14 @@ import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
@@ -143,7 +145,10 @@ def collect_features(
     if meta and (meta.get("target", {}).get("weights_hash") != identity["weights_hash"] or meta["seq_len"] != seq_len):
         raise ValueError(f"features folder {out} was made for another target or seq_len; use another --features")
     done = sorted(out.glob("shard-*.safetensors"))
-    have = sum(int(load_file(str(p))["tokens"].shape[0]) for p in done)
+    have = 0
+    for path in done:  # sequences per shard, read from the header (no tensor is loaded)
+        with safe_open(str(path), "pt") as shard_file:
+            have += int(shard_file.get_slice("tokens").get_shape()[0])
     wanted = max_tokens // seq_len
     sequences = token_sequences(tokenizer, texts, seq_len, wanted * seq_len)
     for _ in range(have):  # skip what earlier runs saved
@@ -162,29 +167,17 @@ def collect_features(
             for value in shard.values():
                 value.clear()
 
-    batch: list[list[int]] = []
     count = have
-    for seq in sequences:
-        batch.append(seq)
-        if len(batch) == batch_size:
-            ids = torch.tensor(batch, dtype=torch.int64)
-            features, predictions = target_features(target, ids)
-            shard["tokens"].append(ids)
-            shard["features"].append(features)
-            shard["predictions"].append(predictions)
-            count += len(batch)
-            bar.update(len(batch))
-            batch = []
-            if sum(t.shape[0] for t in shard["tokens"]) >= shard_sequences:
-                flush()
-    if batch:
-        ids = torch.tensor(batch, dtype=torch.int64)
+    while batch := list(islice(sequences, batch_size)):
+        ids = torch.tensor(batch, dtype=torch.int64)  # (B, L)
         features, predictions = target_features(target, ids)
         shard["tokens"].append(ids)
         shard["features"].append(features)
         shard["predictions"].append(predictions)
         count += len(batch)
         bar.update(len(batch))
+        if sum(t.shape[0] for t in shard["tokens"]) >= shard_sequences:
+            flush()
     flush()
     bar.close()
     elapsed = time.perf_counter() - tic

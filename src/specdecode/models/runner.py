@@ -15,7 +15,7 @@ LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits
 
 # Models checked to honour custom 4D attention masks and position ids (see ModelRunner.check_masking).
 _MASKING_OK: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
-# Models checked to compute their logits as lm_head(get_decoder() hidden states) (return_hidden).
+# Models checked to compute their logits as lm_head(get_decoder() hidden states) (head_ids, return_hidden).
 _PLAIN_OK: weakref.WeakKeyDictionary[PreTrainedModel, bool] = weakref.WeakKeyDictionary()
 
 
@@ -34,25 +34,28 @@ def _check_plain_head(model: PreTrainedModel, what: str = "head_ids") -> None:
         raise ValueError(f"{what}: the output head of {type(model).__name__} is not a Linear layer")
 
 
-def _check_decoder_logits(model: PreTrainedModel) -> None:
+def _check_decoder_logits(model: PreTrainedModel, what: str) -> None:
     """Check once per model that its logits are ``lm_head(get_decoder() last_hidden_state)``:
-    the config check of :func:`_check_plain_head`, then a one-token probe comparing the two.
+    the config check of :func:`_check_plain_head`, then a one-token probe comparing the two (a
+    model whose forward is not decoder + head would otherwise go unnoticed). Needed by a reduced
+    head (``head_ids``) and by ``return_hidden``; ``what`` names the option in the message.
 
     Raises:
         ValueError: they are not (logit soft-capping or scaling, a forward that is not decoder + head).
     """
     if _PLAIN_OK.get(model):
         return
-    _check_plain_head(model, "return_hidden")
+    _check_plain_head(model, what)
     with torch.inference_mode():
         probe = torch.zeros(1, 1, dtype=torch.int64, device=model.device)
         full = model(input_ids=probe, use_cache=False).logits[0, -1].float()  # (V,)
         hidden = model.get_decoder()(input_ids=probe, use_cache=False).last_hidden_state  # (1, 1, H)
-        mine = model.get_output_embeddings()(hidden)[0, -1].float()  # (V,)
+        head = model.get_output_embeddings()  # its weights, not its forward: hooks may rescale the output
+        mine = F.linear(hidden, head.weight, head.bias)[0, -1].float()  # (V,)
     if not torch.allclose(mine, full, rtol=0.0, atol=1e-2 * (1.0 + float(full.abs().max()))):
         raise ValueError(
-            f"return_hidden: the logits of {type(model).__name__} are not lm_head(get_decoder() hidden states); "
-            "proposers that read the target's features cannot run on it"
+            f"{what}: the logits of {type(model).__name__} are not lm_head(get_decoder() hidden states) "
+            "(logit scaling or soft-capping?); plain lm_head(hidden states) cannot reproduce them"
         )
     _PLAIN_OK[model] = True
 
@@ -96,22 +99,11 @@ class ModelRunner:
             raise ValueError(
                 f"head_ids must be distinct ids in [0, {V}), got min {int(ids.min())}, max {int(ids.max())}"
             )
-        _check_plain_head(self.model)
+        _check_decoder_logits(self.model, "head_ids")
         head = self.model.get_output_embeddings()
         self.head_ids = ids.to(device=self.device, dtype=torch.int64)  # (N,)
-        self._decoder = self.model.get_decoder()
         self._head_weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
         self._head_bias = None if head.bias is None else head.bias.detach()[self.head_ids].contiguous()  # (N,)
-        with torch.inference_mode():  # a model whose forward is not decoder + head would go unnoticed
-            probe = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-            full = self.model(input_ids=probe, use_cache=False).logits[0, -1, self.head_ids].float()  # (N,)
-            hidden = self._decoder(input_ids=probe, use_cache=False).last_hidden_state[0, -1]  # (H,)
-            mine = F.linear(hidden, self._head_weight, self._head_bias).float()  # (N,)
-        if not torch.allclose(mine, full, rtol=0.0, atol=1e-2 * (1.0 + float(full.abs().max()))):
-            raise ValueError(
-                f"head_ids: the logits of {type(self.model).__name__} are not lm_head(get_decoder() hidden "
-                "states) (logit scaling or soft-capping?); a reduced LM head cannot reproduce them"
-            )
 
     @property
     def device(self) -> torch.device:
@@ -163,7 +155,7 @@ class ModelRunner:
         ids = input_ids.view(1, T).to(self.device)  # (1, T)
         if self.head_ids is not None or return_hidden:
             if return_hidden:
-                _check_decoder_logits(self.model)
+                _check_decoder_logits(self.model, "return_hidden")
             decoder = self.model.get_decoder()
             hidden = decoder(input_ids=ids, past_key_values=self.cache, use_cache=True).last_hidden_state  # (1, T, H)
             self.length += T
@@ -245,7 +237,7 @@ class ModelRunner:
             )
         self.check_masking()
         if return_hidden:
-            _check_decoder_logits(self.model)
+            _check_decoder_logits(self.model, "return_hidden")
         kwargs = self._masked_inputs(input_ids, position_ids, attend, self.cache)
         self.length += M
         if self.head_ids is not None or return_hidden:
