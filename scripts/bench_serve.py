@@ -230,6 +230,7 @@ def engine_baseline(args: argparse.Namespace, chats: list[str]) -> dict[str, Any
     from specdecode.sampling import SamplingParams
 
     generator = SpeculativeGenerator.from_pretrained(args.target, args.draft, args.dtype, args.proposer)
+    generator.eos_token_ids = frozenset()  # as the server's ignore_eos: every request gives max_tokens tokens
     sampling = SamplingParams(max_new_tokens=args.max_tokens)
     generator.generate(chats[0], sampling, args.num_speculative_tokens)  # warm-up
     times = {"on": 0.0, "off": 0.0}
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 results["modes"][mode].append(level)
+                (out / "partial.json").write_text(json.dumps(results, indent=1))  # survives an interrupted run
         finally:
             server.close()
     ids = {m: [lvl["token_ids"] for lvl in results["modes"][m]] for m in modes}

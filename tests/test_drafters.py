@@ -3,7 +3,7 @@ right positions (also after rejections and tree steps), their drafts equal a cac
 and decoding stays lossless: greedy float32 equality with target-only decoding (chains, static and
 dynamic trees) for drafters that agree fully, never, partly, and random ones; the sampled
 distribution of the first tokens (chi-square, the tolerance of ``stat_checks``). Plus save / load,
-the target-identity check, the missing-drafter message, the registry and the server's refusal."""
+the target-identity check, the missing-drafter message and the registry (the server: test_serve_scheduler)."""
 
 from __future__ import annotations
 
@@ -448,16 +448,3 @@ def test_cli_flags_and_proposer_errors(cases) -> None:
         fresh.propose(torch.tensor(PROMPTS[0]), 3, SamplingParams(), None)  # no features given
     with pytest.raises(ValueError, match="EagleHead"):
         EagleProposer(cases["medusa", "partly"][1])
-
-
-def test_server_refuses_feature_proposers(tiny_target, tiny_tokenizer) -> None:
-    from specdecode.serve.config import ServeSettings
-    from specdecode.serve.scheduler import InvalidRequestError, Scheduler
-
-    scheduler = Scheduler(tiny_target, tiny_tokenizer, ServeSettings(proposer="prompt_lookup", speculation="on"))
-    assert "medusa" not in scheduler.proposers() and "prompt_lookup" in scheduler.proposers()
-    with pytest.raises(InvalidRequestError, match="'eagle' drafts from the target's hidden states") as error:
-        scheduler.check_proposer("eagle")
-    assert error.value.param == "proposer"
-    with pytest.raises(ValueError, match="'medusa' drafts from the target's hidden states"):
-        Scheduler(tiny_target, tiny_tokenizer, ServeSettings(proposer="medusa", speculation="on"))

@@ -1,4 +1,5 @@
-"""The batched runner (ragged rows, one KV cache) against one-sequence ModelRunner logits, float32;
+"""The batched runner (ragged rows, one KV cache) against one-sequence ModelRunner logits (and the
+target's features, return_hidden), float32;
 and the cost model / speculation plan of the server."""
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def tokens(g: torch.Generator, n: int) -> torch.Tensor:
 class Pair:
     """A BatchedRunner and one ModelRunner per row, driven alike; every forward is compared."""
 
-    def __init__(self, model, max_rows: int, capacity: int = 8) -> None:
+    def __init__(self, model, max_rows: int, capacity: int = 8, hidden: bool = False) -> None:
         self.model = model
+        self.hidden = hidden  # also compare the target's features (return_hidden)
         self.batched = BatchedRunner(model, max_rows, capacity=capacity)
         self.singles: list[ModelRunner] = []
 
@@ -52,9 +54,15 @@ class Pair:
         self.singles[row].truncate(self.singles[row].length - drop)
 
     def forward(self, first: int, inputs: list[torch.Tensor], num_logits: list[int]) -> None:
-        got = self.batched.forward(first, inputs, num_logits)
+        got = self.batched.forward(first, inputs, num_logits, return_hidden=self.hidden)
+        if self.hidden:
+            got, features = got
         for b, (x, m, logits) in enumerate(zip(inputs, num_logits, got, strict=True)):
-            want = self.singles[first + b].forward(x, m)
+            want = self.singles[first + b].forward(x, m, return_hidden=self.hidden)
+            if self.hidden:
+                want, want_features = want
+                assert features[b].shape == want_features.shape == (x.shape[0], self.model.config.hidden_size)
+                torch.testing.assert_close(features[b], want_features, atol=ATOL, rtol=0)
             assert logits.shape == want.shape
             torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
             assert torch.equal(logits.argmax(-1), want.argmax(-1))
@@ -83,10 +91,11 @@ def test_batched_logits_equal_single_sequence_logits(attention: str) -> None:
     pair.forward(0, [tokens(g, 6)], [6])
 
 
-def test_many_steps_with_random_joins_leaves_and_rollbacks() -> None:
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "logits+features"])
+def test_many_steps_with_random_joins_leaves_and_rollbacks(hidden: bool) -> None:
     model = make_tiny_model(seed=3)
     g = torch.Generator().manual_seed(1)
-    pair = Pair(model, max_rows=3, capacity=16)
+    pair = Pair(model, max_rows=3, capacity=16, hidden=hidden)
     for step in range(25):
         n = pair.batched.num_rows
         if n < 3 and (n == 0 or torch.rand(1, generator=g) < 0.3):

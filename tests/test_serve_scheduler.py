@@ -55,12 +55,13 @@ class Client:
             stop=options.pop("stop", ()),
         )
         speculative = options.pop("speculative", True)
+        proposer = options.pop("proposer", "draft_model")
         self.req = ServeRequest(
             request_id=f"req-{next(_ids)}",
             prompt_ids=prompt,
             sampling=sampling,
             speculative=speculative,
-            proposer=options.pop("proposer", "draft_model") if speculative else None,
+            proposer=proposer if speculative else None,
             num_speculative_tokens=options.pop("k", 3),
             on_event=self.events.append,
             **options,
@@ -299,8 +300,59 @@ def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(mod
     scheduler = Scheduler(target, tiny_tokenizer, settings, draft=foreign, cost=FLAT)
     names = scheduler.proposers()
     assert "cross_tokenizer" in names and "draft_model" not in names and "prompt_lookup" in names
-    assert "medusa" not in names and "eagle" not in names  # they need the target's features
-    for name in ("draft_model", "eagle"):
-        with pytest.raises(InvalidRequestError) as info:
-            scheduler.check_proposer(name)
-        assert info.value.param == "proposer"
+    with pytest.raises(InvalidRequestError) as info:
+        scheduler.check_proposer("draft_model")
+    assert info.value.param == "proposer"
+
+
+def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:
+    """Medusa (from the target's default drafter folder) and EAGLE (the server's ``drafter`` option)
+    next to draft_model and plain requests in one batch: greedy output equals target-only decoding,
+    and each drafter accepts exactly as many tokens as it does alone in the engine, which reads the
+    features of a one-sequence pass (features at the wrong positions would change what it drafts)."""
+    from specdecode import SpeculativeGenerator
+    from specdecode.drafters import default_drafter_dir, save_drafter
+    from specdecode.proposers import make_proposer
+    from specdecode.serve.cost import measure_draft_cost
+    from test_drafters import distill, make_drafter
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    target, _ = models
+    folders = {"medusa": default_drafter_dir("medusa", target), "eagle": tmp_path / "eagle"}
+    for kind, folder in folders.items():
+        save_drafter(distill(make_drafter(kind, target, seed=1), target, steps=30), folder)
+    scheduler = make(models, tiny_tokenizer, proposer="eagle", proposer_options={"drafter": str(folders["eagle"])})
+    assert {"medusa", "eagle"} <= set(scheduler.proposers())
+    kinds = ["eagle", "medusa", "draft_model", None, "eagle"]
+    clients = [
+        Client(p, 24, proposer=kind, speculative=kind is not None, k=3, ignore_eos=True)
+        for p, kind in zip(prompts(tiny_tokenizer), kinds, strict=True)
+    ]
+    for c in clients:
+        scheduler.submit(c.req)
+    assert run(scheduler) == 4  # max_batch_size: the fifth joined when one left
+    accepted = dict.fromkeys(folders, 0)
+    for c, kind in zip(clients, kinds, strict=True):
+        assert c.tokens == target_only_greedy(target, c.req.prompt_ids, 24), kind
+        spec = c.final.summary["speculative"]
+        if kind in folders:
+            options = {"drafter": str(folders[kind])}
+            alone = SpeculativeGenerator(target, proposer=make_proposer(kind, target=target, **options))
+            alone.eos_token_ids = frozenset()  # as ignore_eos
+            result = alone.generate(c.req.prompt_ids, SamplingParams(max_new_tokens=24), 3)
+            assert spec["draft_tokens"] > 0 and "proposer_error" not in spec
+            assert spec["accepted_tokens"] == result.stats.accepted_tokens, kind
+            accepted[kind] += spec["accepted_tokens"]
+            assert measure_draft_cost(make_proposer(kind, target=target, **options), target.config.vocab_size, 3) > 0
+    assert min(accepted.values()) > 0, accepted  # the drafters agree in part: the check above can fail
+
+
+def test_feature_proposers_without_a_drafter_are_not_offered(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "empty"))
+    scheduler = make(models, tiny_tokenizer)
+    assert "medusa" not in scheduler.proposers() and "eagle" not in scheduler.proposers()
+    with pytest.raises(InvalidRequestError, match="train-drafter --kind eagle") as info:
+        scheduler.check_proposer("eagle")
+    assert info.value.param == "proposer"
+    with pytest.raises(InvalidRequestError, match="train-drafter --kind medusa"):
+        make(models, tiny_tokenizer, proposer="medusa")

@@ -34,7 +34,7 @@ def _check_plain_head(model: PreTrainedModel, what: str = "head_ids") -> None:
         raise ValueError(f"{what}: the output head of {type(model).__name__} is not a Linear layer")
 
 
-def _check_decoder_logits(model: PreTrainedModel, what: str) -> None:
+def check_decoder_logits(model: PreTrainedModel, what: str) -> None:
     """Check once per model that its logits are ``lm_head(get_decoder() last_hidden_state)``:
     the config check of :func:`_check_plain_head`, then a one-token probe comparing the two (a
     model whose forward is not decoder + head would otherwise go unnoticed). Needed by a reduced
@@ -99,7 +99,7 @@ class ModelRunner:
             raise ValueError(
                 f"head_ids must be distinct ids in [0, {V}), got min {int(ids.min())}, max {int(ids.max())}"
             )
-        _check_decoder_logits(self.model, "head_ids")
+        check_decoder_logits(self.model, "head_ids")
         head = self.model.get_output_embeddings()
         self.head_ids = ids.to(device=self.device, dtype=torch.int64)  # (N,)
         self._head_weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
@@ -155,7 +155,7 @@ class ModelRunner:
         ids = input_ids.view(1, T).to(self.device)  # (1, T)
         if self.head_ids is not None or return_hidden:
             if return_hidden:
-                _check_decoder_logits(self.model, "return_hidden")
+                check_decoder_logits(self.model, "return_hidden")
             decoder = self.model.get_decoder()
             hidden = decoder(input_ids=ids, past_key_values=self.cache, use_cache=True).last_hidden_state  # (1, T, H)
             self.length += T
@@ -237,7 +237,7 @@ class ModelRunner:
             )
         self.check_masking()
         if return_hidden:
-            _check_decoder_logits(self.model, "return_hidden")
+            check_decoder_logits(self.model, "return_hidden")
         kwargs = self._masked_inputs(input_ids, position_ids, attend, self.cache)
         self.length += M
         if self.head_ids is not None or return_hidden:

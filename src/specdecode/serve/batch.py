@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.models.runner import check_decoder_logits
+
 _ATTENTION = ("sdpa", "eager")
 
 
@@ -221,21 +223,29 @@ class BatchedRunner:
         return masks
 
     @torch.inference_mode()
-    def forward(self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int]) -> list[torch.Tensor]:
+    def forward(
+        self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int], return_hidden: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Append ``inputs[b]`` to row ``first + b`` for every b, in one pass of the model.
 
         Args:
             first: the first row; the call covers rows ``first .. first + len(inputs) - 1``.
             inputs: per row, int64 ``[n_b]`` (n_b >= 1), the tokens after the row's cached ones.
             num_logits: per row, how many of its last positions to score (1 <= num_logits[b] <= n_b).
+            return_hidden: also return the target's *features* (the decoder's final hidden states,
+                what the LM head reads) of every input token, for proposers that draft from them
+                (Medusa, EAGLE); the pass is then ``get_decoder()`` followed by the LM head, checked
+                once per model to give the model's own logits.
 
         Returns:
             per row, float32 ``[num_logits[b], V]``; row i scores the token after
             ``inputs[b][n_b - num_logits[b] + i]``, exactly as
-            :meth:`specdecode.models.runner.ModelRunner.forward` does for one sequence.
+            :meth:`specdecode.models.runner.ModelRunner.forward` does for one sequence. With
+            ``return_hidden``: ``(logits, hidden)``, ``hidden[b]`` ``[n_b, H]`` in the model's dtype.
 
         Raises:
-            ValueError: rows outside ``0 .. num_rows - 1``, an empty input, or a bad ``num_logits``.
+            ValueError: rows outside ``0 .. num_rows - 1``, an empty input, or a bad ``num_logits``;
+                with ``return_hidden``, a model whose logits are not ``lm_head(hidden states)``.
         """
         B = len(inputs)
         if B == 0 or len(num_logits) != B or not 0 <= first <= first + B <= self.num_rows:
@@ -256,19 +266,27 @@ class BatchedRunner:
         # Score only the positions some row needs: [B, P, V] for the P distinct ones.
         wanted = sorted({n - m + i for n, m in zip(sizes, num_logits, strict=True) for i in range(m)})
         keep: int | torch.Tensor = 0 if wanted == list(range(T)) else torch.tensor(wanted, device=device)
-        out = self.model(
-            input_ids=ids.to(device),
-            position_ids=positions,
-            attention_mask=self._masks(positions, kv_length, self.model.dtype),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        kwargs = {
+            "input_ids": ids.to(device),
+            "position_ids": positions,
+            "attention_mask": self._masks(positions, kv_length, self.model.dtype),
+            "past_key_values": self.cache,
+            "use_cache": True,
+        }
+        hidden = None
+        if return_hidden:
+            check_decoder_logits(self.model, "return_hidden")
+            hidden = self.model.get_decoder()(**kwargs).last_hidden_state  # (B, T, H)
+            picked = hidden if isinstance(keep, int) else hidden[:, keep]  # (B, P, H)
+            logits = self.model.get_output_embeddings()(picked)  # (B, P, V)
+        else:
+            logits = self.model(**kwargs, logits_to_keep=keep).logits  # (B, P, V)
         column = {p: i for i, p in enumerate(wanted)}
-        logits = out.logits  # (B, P, V)
         result = []
         for b, (n, m) in enumerate(zip(sizes, num_logits, strict=True)):
             cols = [column[p] for p in range(n - m, n)]
             result.append(logits[b, cols[0] : cols[-1] + 1].float())  # (m, V): wanted is sorted, runs are contiguous
             self.lengths[first + b] += n
-        return result
+        if hidden is None:
+            return result
+        return result, [hidden[b, :n] for b, n in enumerate(sizes)]

@@ -83,11 +83,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     parse_dtype(args.dtype)
     spec = get_spec(args.proposer)
-    if spec.needs_target_features:
-        raise ValueError(
-            f"--proposer {args.proposer}: it drafts from the target's hidden states, which the batched server "
-            "does not pass to proposers; use it with 'specdecode generate' or the Python API"
-        )
     settings_from_args(args, "check")  # every flag checked before any weights load
     target_dir = resolve_model_dir(args.target, "target")
     name = DEFAULT_TARGET.name if args.target is None else target_dir.name

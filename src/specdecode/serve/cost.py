@@ -238,16 +238,27 @@ def measure_draft_cost(proposer: object, vocab_size: int, k: int, context: int =
     """Seconds per drafted token of ``proposer`` (greedy, a random ``context``-token prompt).
 
     A proposer that drafts nothing on random text (prompt lookup) is charged its call time per
-    requested token. The fastest of ``repeats`` timed calls (after one warm-up) is kept.
+    requested token. A proposer that reads the target's features (Medusa, EAGLE) gets random ones
+    of its drafter's width and dtype. The fastest of ``repeats`` timed calls (after one warm-up) is kept.
     """
     g = torch.Generator().manual_seed(0)
     sampling = SamplingParams()
+    drafter = getattr(proposer, "drafter", None) if getattr(proposer, "needs_target_features", False) else None
+
+    def features(m: int) -> None:  # the target's features of the next m positions, as the scheduler passes them
+        if drafter is not None:
+            weight = next(drafter.parameters())
+            rows = torch.randn(m, drafter.config.hidden_size, generator=g).to(weight.device, weight.dtype)
+            proposer.observe_features(rows)  # type: ignore[attr-defined]
+
     times = []
     for _ in range(repeats + 1):
         proposer.reset()  # type: ignore[attr-defined]
         ids = torch.randint(0, vocab_size, (context,), generator=g)
+        features(context - 1)
         proposer.propose(ids, 1, sampling, None)  # type: ignore[attr-defined]  # sync the proposer's cache first
         ids = torch.cat([ids, torch.randint(0, vocab_size, (1,), generator=g)])
+        features(1)
         tic = time.perf_counter()
         draft = proposer.propose(ids, k, sampling, None)  # type: ignore[attr-defined]
         times.append((time.perf_counter() - tic) / max(1, len(draft)))

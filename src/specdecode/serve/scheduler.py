@@ -37,12 +37,13 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine import eos_token_ids
+from specdecode.engine import eos_token_ids, needs_features
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
@@ -254,9 +255,10 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def proposers(self) -> list[str]:
-        """Names of the proposers a request may ask for (those whose models are loaded; not those
-        that read the target's features, which the batched runner does not return; with a draft of
-        another vocabulary, ``cross_tokenizer`` is its only proposer)."""
+        """Names of the proposers a request may ask for: those whose models are loaded (with a draft
+        of another vocabulary, ``cross_tokenizer`` is its only draft proposer), and those that read
+        the target's features (Medusa, EAGLE) when a trained drafter for this target is found (the
+        server's ``--drafter`` for its default proposer, else the target's default folder)."""
         from specdecode.proposers import PROPOSERS
 
         foreign = self.draft is not None and int(self.draft.get_output_embeddings().weight.shape[0]) != self.vocab_size
@@ -264,24 +266,32 @@ class Scheduler:
             n
             for n, s in PROPOSERS.items()
             if (not s.needs_draft or self.draft is not None)
-            and not s.needs_target_features
             and not (foreign and s.needs_draft and n != "cross_tokenizer")  # another vocabulary: re-tokenise
+            and (not s.needs_target_features or self._has_drafter(n))
         )
+
+    def _has_drafter(self, name: str) -> bool:
+        """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the rest)."""
+        from specdecode.drafters import default_drafter_dir
+        from specdecode.proposers.features import check_drafter_dir
+
+        options = self.settings.proposer_options if name == self.settings.proposer else {}
+        try:
+            check_drafter_dir(Path(options.get("drafter") or default_drafter_dir(name, self.target)), name)
+        except FileNotFoundError:
+            return False
+        return True
 
     def check_proposer(self, name: str) -> None:
         """Raises InvalidRequestError(param="proposer") unless ``name`` can run on this server."""
         from specdecode.proposers import PROPOSERS
 
-        if name in PROPOSERS and PROPOSERS[name].needs_target_features:
-            raise InvalidRequestError(
-                f"proposer {name!r} drafts from the target's hidden states, which the batched server does not "
-                f"pass to proposers; use it with 'specdecode generate' or the Python API. On this server: "
-                f"{self.proposers()}",
-                "proposer",
-            )
         if name not in self.proposers():
+            hint = ""
+            if name in PROPOSERS and PROPOSERS[name].needs_target_features:
+                hint = f" ({name!r} needs a drafter trained for this target: specdecode train-drafter --kind {name})"
             raise InvalidRequestError(
-                f"proposer must be one of {self.proposers()} on this server, got {name!r}", "proposer"
+                f"proposer must be one of {self.proposers()} on this server, got {name!r}{hint}", "proposer"
             )
 
     def reservation(self, req: ServeRequest) -> int:
@@ -488,8 +498,10 @@ class Scheduler:
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
-        logits = self.runner.forward(seqs[0].row, [s.context[: s.T] for s in seqs], [1] * len(seqs))
-        for s, row_logits in zip(seqs, logits, strict=True):
+        logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
+        for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
+            if row_hidden is not None:
+                s.proposer.observe_features(row_hidden)  # type: ignore[union-attr]  # (T, H): every prompt position
             result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.req.sampling, s.generator)
             s.stats.target_forward_passes += 1
             self._emit(s, result.tokens.tolist())
@@ -520,15 +532,17 @@ class Scheduler:
         self.metrics.steps.inc()
         inputs = [torch.cat([s.context[s.T - 1 : s.T], d.ids.cpu()]) for s, d in zip(seqs, drafts, strict=True)]
         tic = time.perf_counter()
-        logits = self.runner.forward(0, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
+        logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
         seconds = time.perf_counter() - tic
-        for s, draft, row_logits in zip(seqs, drafts, logits, strict=True):
+        for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
             ids = draft.ids.cpu()
             probs = draft.probs.cpu() if draft.probs is not None else None
             result = verify(ids, probs, row_logits.cpu(), s.req.sampling, s.generator)  # 3. verify
             n = result.num_accepted
             self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
             if s.proposer is not None:
+                if row_hidden is not None:  # the features of the root and the accepted drafts
+                    s.proposer.observe_features(row_hidden[: n + 1])  # type: ignore[attr-defined]  # (n + 1, H)
                 s.proposer.observe(result)
             s.stats.target_forward_passes += 1
             s.stats.target_time_s += seconds
@@ -542,6 +556,17 @@ class Scheduler:
                 self.metrics.observe_verification(len(draft), n)
             self._emit(s, result.tokens.tolist())  # 5. emit, stop
         self._leave_finished()
+
+    def _forward(
+        self, seqs: list[_Sequence], inputs: list[torch.Tensor], num_logits: list[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One batched target pass over the rows of ``seqs`` (rows ``seqs[0].row ..``); the target's
+        features per row (``[n_b, H]``) for the rows whose proposer reads them, else None."""
+        wants = [s.proposer is not None and needs_features(s.proposer) for s in seqs]
+        if not any(wants):
+            return self.runner.forward(seqs[0].row, inputs, num_logits), [None] * len(seqs)  # type: ignore[return-value]
+        logits, hidden = self.runner.forward(seqs[0].row, inputs, num_logits, return_hidden=True)
+        return logits, [h if w else None for h, w in zip(hidden, wants, strict=True)]
 
     def _draft(self, s: _Sequence, k: int) -> DraftTokens:
         """Up to ``k`` tokens from the sequence's proposer. A proposer that fails is dropped: the
