@@ -2,8 +2,10 @@
 """Load benchmark of ``specdecode serve`` with the official ``openai`` client (a script, not a test).
 
 For every speculation mode (``on``, ``off``, ``adaptive``) it starts one server (a subprocess,
-``python -m specdecode.cli serve --speculation MODE``), warms it up, then for every concurrency
-level (1, 2, 4, 8) sends the same prompts (Spec-Bench dev questions, first turn, as chats) from
+``python -m specdecode.cli serve --speculation MODE``; all three stay up, idle while another
+runs) and warms it up; then for every concurrency level (1, 2, 4, 8), mode after mode (the order
+rotates from level to level, so that slow drift of the machine hits every mode alike), it sends
+the same prompts (Spec-Bench dev questions, first turn, as chats) from
 that many client threads: greedy, ``max_tokens`` tokens each with ``ignore_eos`` (every request
 produces exactly that many tokens, as vLLM's serving benchmark does). Per (mode, concurrency):
 
@@ -313,14 +315,19 @@ def main(argv: list[str] | None = None) -> int:
         "args": {**vars(args), "concurrency": levels},
         "modes": {},
     }
-    for mode in modes:
-        server = ServerProcess(args, mode, out / f"server-{mode}.log")
-        try:
-            server.wait_ready(args.startup_timeout)
-            one_request(openai.OpenAI(base_url=server.url + "/v1", api_key="none"), chats[0], 8)  # warm-up
+    # All servers run at once (started one after another, so that the adaptive one measures its cost
+    # model on a quiet machine) and each concurrency level runs the modes back to back, in an order
+    # that rotates from level to level: the machine's drift over the run hits every mode alike.
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for mode in modes:
+            servers[mode] = ServerProcess(args, mode, out / f"server-{mode}.log")
+            servers[mode].wait_ready(args.startup_timeout)
+            one_request(openai.OpenAI(base_url=servers[mode].url + "/v1", api_key="none"), chats[0], 8)  # warm-up
             results["modes"][mode] = []
-            for c in levels:
-                level = run_level(server, chats[: counts[c]], c, args.max_tokens)
+        for i, c in enumerate(levels):
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                level = run_level(servers[mode], chats[: counts[c]], c, args.max_tokens)
                 print(
                     f"{mode:>8} c={c}: {level['tokens_per_s']:.1f} tok/s, TTFT p50 {level['ttft_s']['p50']:.2f} s, "
                     f"α {level['acceptance_rate']:.2f}",
@@ -328,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results["modes"][mode].append(level)
                 (out / "partial.json").write_text(json.dumps(results, indent=1))  # survives an interrupted run
-        finally:
+    finally:
+        for server in servers.values():
             server.close()
     ids = {m: [lvl["token_ids"] for lvl in results["modes"][m]] for m in modes}
     results["identical_across_modes"] = all(ids[m] == ids[modes[0]] for m in modes)

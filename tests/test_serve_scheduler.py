@@ -356,3 +356,28 @@ def test_feature_proposers_without_a_drafter_are_not_offered(models, tiny_tokeni
     assert info.value.param == "proposer"
     with pytest.raises(InvalidRequestError, match="train-drafter --kind medusa"):
         make(models, tiny_tokenizer, proposer="medusa")
+
+
+def test_prefill_groups_similar_lengths_and_avoids_padding(models, tiny_tokenizer, monkeypatch) -> None:
+    """Admitted together, prompts of 3, 40, 4 and 38 tokens are prefilled as [3, 4] and [38, 40]
+    (sorted by length; one pass over all four would be 75% padding), and decode as they would alone."""
+    target, _ = models
+    scheduler = make(models, tiny_tokenizer)
+    passes: list[list[int]] = []
+    forward = scheduler.runner.forward
+
+    def spy(first, inputs, num_logits, **kwargs):
+        passes.append([int(x.shape[0]) for x in inputs])
+        return forward(first, inputs, num_logits, **kwargs)
+
+    monkeypatch.setattr(scheduler.runner, "forward", spy)
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 40, 4, 38]
+    clients = [Client(torch.randint(3, 200, (n,), generator=g).tolist(), 5, speculative=False) for n in lengths]
+    for c in clients:
+        scheduler.submit(c.req)
+    scheduler.run_once()
+    assert passes[:2] == [[3, 4], [38, 40]]
+    run(scheduler)
+    for c in clients:
+        assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, 5)

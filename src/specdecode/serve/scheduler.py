@@ -68,6 +68,9 @@ log = logging.getLogger("specdecode.serve")
 
 PRIOR_RATE = 0.01  # per drafted token, how fast a proposer's running acceptance rate moves
 MAX_PREFILL_TOKENS = 4096  # padded tokens of one batched prefill pass (a longer prompt goes alone)
+# Padded / real tokens of one batched prefill pass at most: prompts are right-padded to the longest,
+# and padding is computed, so prompts of very different lengths are prefilled in separate passes.
+MAX_PREFILL_PADDING = 1.25
 
 
 class QueueFullError(Exception):
@@ -460,10 +463,13 @@ class Scheduler:
                 self.reserved += need
                 admitted.append(self._waiting.popleft())
             self.metrics.waiting.set(len(self._waiting))
+        admitted.sort(key=lambda r: len(r.prompt_ids))  # similar lengths in consecutive rows: less padding
         started = [seq for seq in map(self._start, admitted) if seq is not None]  # rows added, in order
         group: list[_Sequence] = []
-        for seq in started:  # prefill in groups of at most MAX_PREFILL_TOKENS padded tokens
-            if group and max(x.prompt_len for x in group + [seq]) * (len(group) + 1) > MAX_PREFILL_TOKENS:
+        for seq in started:  # prefill groups: consecutive rows, bounded padded size and padding share
+            padded = max(x.prompt_len for x in group + [seq]) * (len(group) + 1)
+            real = sum(x.prompt_len for x in group + [seq])
+            if group and (padded > MAX_PREFILL_TOKENS or padded > MAX_PREFILL_PADDING * real):
                 self._prefill(group)
                 group = []
             group.append(seq)
