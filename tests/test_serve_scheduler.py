@@ -345,6 +345,11 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
             accepted[kind] += spec["accepted_tokens"]
             assert measure_draft_cost(make_proposer(kind, target=target, **options), target.config.vocab_size, 3) > 0
     assert min(accepted.values()) > 0, accepted  # the drafters agree in part: the check above can fail
+    # Requests share one loaded drafter per kind and folder, whichever kind was loaded in between.
+    first = make_proposer("eagle", target=target, drafter=str(folders["eagle"])).drafter
+    medusa = make_proposer("medusa", target=target).drafter
+    assert make_proposer("eagle", target=target, drafter=str(folders["eagle"])).drafter is first
+    assert make_proposer("medusa", target=target).drafter is medusa
 
 
 def test_feature_proposers_without_a_drafter_are_not_offered(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:

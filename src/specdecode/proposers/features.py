@@ -24,9 +24,10 @@ from specdecode.drafters import default_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 
-_LOADED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[str, str, int, int], MedusaHeads | EagleHead]] = (
-    weakref.WeakKeyDictionary()
-)
+# Per target: (kind, folder) -> (the files' modification times, the drafter loaded from them).
+_LOADED: weakref.WeakKeyDictionary[
+    PreTrainedModel, dict[tuple[str, str], tuple[tuple[int, int], MedusaHeads | EagleHead]]
+] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,14 @@ def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedM
     default = config.drafter is None
     path = default_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]
     check_drafter_dir(path, kind, default)
-    # One loaded drafter per (target, folder, file versions): proposers keep their state (caches,
-    # features) to themselves and only read the drafter's weights, so requests share it.
-    key = (kind, str(path.resolve()), (path / WEIGHTS_FILE).stat().st_mtime_ns, (path / CONFIG_FILE).stat().st_mtime_ns)
+    # One loaded drafter per (target, kind, folder), reloaded when its files change: proposers keep
+    # their state (caches, features) to themselves and only read its weights, so requests share it.
+    key = (kind, str(path.resolve()))
+    version = ((path / WEIGHTS_FILE).stat().st_mtime_ns, (path / CONFIG_FILE).stat().st_mtime_ns)
     loaded = _LOADED.setdefault(target, {})
-    if key not in loaded:
-        loaded.clear()  # an older version of the files, or another folder: keep one drafter per target
-        loaded[key] = load_drafter(path, target, kind)
-    return loaded[key]
+    if key not in loaded or loaded[key][0] != version:
+        loaded[key] = (version, load_drafter(path, target, kind))
+    return loaded[key][1]
 
 
 class FeatureLog:

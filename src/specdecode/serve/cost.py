@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.engine import needs_features
 from specdecode.sampling import SamplingParams
 
 PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
@@ -243,7 +244,7 @@ def measure_draft_cost(proposer: object, vocab_size: int, k: int, context: int =
     """
     g = torch.Generator().manual_seed(0)
     sampling = SamplingParams()
-    drafter = getattr(proposer, "drafter", None) if getattr(proposer, "needs_target_features", False) else None
+    drafter = getattr(proposer, "drafter", None) if needs_features(proposer) else None
 
     def features(m: int) -> None:  # the target's features of the next m positions, as the scheduler passes them
         if drafter is not None:

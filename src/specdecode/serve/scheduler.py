@@ -568,7 +568,7 @@ class Scheduler:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One batched target pass over the rows of ``seqs`` (rows ``seqs[0].row ..``); the target's
         features per row (``[n_b, H]``) for the rows whose proposer reads them, else None."""
-        wants = [s.proposer is not None and needs_features(s.proposer) for s in seqs]
+        wants = [needs_features(s.proposer) for s in seqs]
         if not any(wants):
             return self.runner.forward(seqs[0].row, inputs, num_logits), [None] * len(seqs)  # type: ignore[return-value]
         logits, hidden = self.runner.forward(seqs[0].row, inputs, num_logits, return_hidden=True)
