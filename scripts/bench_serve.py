@@ -1,10 +1,16 @@
 #!/usr/bin/env python
 """Load benchmark of ``specdecode serve`` with the official ``openai`` client (a script, not a test).
 
-For every speculation mode (``on``, ``off``, ``adaptive``) it starts one server (a subprocess,
-``python -m specdecode.cli serve --speculation MODE``; all three stay up, idle while another
-runs) and warms it up; then for every concurrency level (1, 2, 4, 8), mode after mode (the order
-rotates from level to level, so that slow drift of the machine hits every mode alike), it sends
+For the speculation modes ``on`` and ``adaptive`` it starts one server each (a subprocess,
+``python -m specdecode.cli serve --speculation MODE``; both stay up, idle while another runs) and
+warms it up. Mode ``off`` is the adaptive server's own process with every request sent with
+``speculative: false`` (exactly what an ``--speculation off`` server runs: no proposer, no draft,
+the same batched target passes): two server processes of the same code and settings differ by
+about 10% in speed on this machine (cause not found; measured with two ``off`` servers side by
+side), which is more than the 5% that separates a good schedule from a bad one, so adaptive and
+off are compared in one process (``--off-server separate`` starts its own ``off`` server). Then
+for every concurrency level (1, 2, 4, 8), mode after mode (the order rotates from level to level,
+so that slow drift of the machine hits every mode alike), it sends
 the same prompts (Spec-Bench dev questions, first turn, as chats) from
 that many client threads: greedy, ``max_tokens`` tokens each with ``ignore_eos`` (every request
 produces exactly that many tokens, as vLLM's serving benchmark does). Per (mode, concurrency):
@@ -58,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all but humaneval)")
+    p.add_argument(
+        "--off-server",
+        choices=["shared", "separate"],
+        default="shared",
+        help="shared (default): off = the adaptive server with speculative=false per request; separate: its own server",
+    )
     p.add_argument("--engine-baseline", action="store_true", help="also time one-at-a-time engine decoding")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server")
     p.add_argument("--out", help="output folder (default bench-results/serve-<timestamp>)")
@@ -130,6 +142,8 @@ class ServerProcess:
             for sample in family.samples:
                 if sample.name.startswith("specdecode_spec_decode") and not sample.labels:
                     out[sample.name] = sample.value
+                elif sample.name.startswith("specdecode_step_phase_seconds_") and not sample.name.endswith("bucket"):
+                    out[f"{sample.name}:{sample.labels['phase']}"] = sample.value
         return out
 
     def close(self) -> None:
@@ -141,8 +155,9 @@ class ServerProcess:
         self.log.close()
 
 
-def one_request(client: Any, chat: str, max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy chat request; returns times (s), tokens and the token ids."""
+def one_request(client: Any, chat: str, max_tokens: int, speculative: bool = True) -> dict[str, Any]:
+    """One streamed greedy chat request; returns times (s), tokens and the token ids.
+    ``speculative=False`` asks the server not to speculate for it (the ``speculative`` extension)."""
     start = time.perf_counter()
     first = None
     ids: list[int] = []
@@ -152,7 +167,7 @@ def one_request(client: Any, chat: str, max_tokens: int) -> dict[str, Any]:
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, **({} if speculative else {"speculative": False})},
     )
     for chunk in stream:
         for choice in chunk.choices:
@@ -179,7 +194,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": qs[49], "p90": qs[89], "p99": qs[98], "mean": statistics.fmean(values)}
 
 
-def run_level(server: ServerProcess, chats: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
+def run_level(
+    server: ServerProcess, chats: list[str], concurrency: int, max_tokens: int, speculative: bool = True
+) -> dict[str, Any]:
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -194,7 +211,7 @@ def run_level(server: ServerProcess, chats: list[str], concurrency: int, max_tok
                 if not queue:
                     return
                 index, chat = queue.pop(0)
-            results[index] = one_request(client, chat, max_tokens)
+            results[index] = one_request(client, chat, max_tokens, speculative)
 
     tic = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -204,6 +221,11 @@ def run_level(server: ServerProcess, chats: list[str], concurrency: int, max_tok
     after = server.metrics()
     done = [r for r in results if r is not None]
     spec = {name.removeprefix("specdecode_spec_decode_"): after.get(name, 0) - before.get(name, 0) for name in after}
+    phase_ms = {  # mean milliseconds per decode step (per prefill pass) of each phase, from /metrics
+        phase: 1e3 * spec.get(f"specdecode_step_phase_seconds_sum:{phase}", 0.0) / count
+        for phase in ("plan", "draft", "target", "verify", "step", "prefill")
+        if (count := spec.get(f"specdecode_step_phase_seconds_count:{phase}", 0.0))
+    }
     drafts, draft_tokens = spec.get("num_drafts_total", 0), spec.get("num_draft_tokens_total", 0)
     accepted = spec.get("num_accepted_tokens_total", 0)
     tokens = sum(r["tokens"] for r in done)
@@ -222,6 +244,7 @@ def run_level(server: ServerProcess, chats: list[str], concurrency: int, max_tok
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "phase_ms": phase_ms,
         "token_ids": [r["token_ids"] for r in done],
     }
 
@@ -257,20 +280,21 @@ def report(results: dict[str, Any]) -> str:
         f"{results['date']}, {results['machine']}; dtype {results['args']['dtype']}, proposer "
         f"{results['args']['proposer']}, k = {results['args']['num_speculative_tokens']}, greedy, "
         f"{results['args']['max_tokens']} tokens per request (ignore_eos), --max-batch-size "
-        f"{results['args']['max_batch_size']}.",
+        f"{results['args']['max_batch_size']}. Mode off: {results.get('off_server', 'its own server')}.",
         "",
         "| concurrency | mode | tok/s | req/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 (ms) | e2e p50 / p99 (s) "
-        "| α | MAL |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| α | MAL | ms per step: plan / draft / target / all |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results["args"]["concurrency"]:
         for mode in modes:
             r = next(x for x in results["modes"][mode] if x["concurrency"] == c)
-            t, o, e = r["ttft_s"], r["tpot_s"], r["e2e_s"]
+            t, o, e, ph = r["ttft_s"], r["tpot_s"], r["e2e_s"], r.get("phase_ms", {})
             lines.append(
                 f"| {c} | {mode} | {r['tokens_per_s']:.1f} | {r['requests_per_s']:.2f} "
                 f"| {t['p50']:.2f} / {t['p90']:.2f} / {t['p99']:.2f} | {o['p50'] * 1e3:.0f} / {o['p90'] * 1e3:.0f} "
-                f"| {e['p50']:.2f} / {e['p99']:.2f} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} |"
+                f"| {e['p50']:.2f} / {e['p99']:.2f} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} "
+                f"| {' / '.join(f'{ph.get(x, 0.0):.1f}' for x in ('plan', 'draft', 'target', 'step'))} |"
             )
     lines += ["", "Throughput relative to `off` (same concurrency):", ""]
     lines += [
@@ -318,16 +342,21 @@ def main(argv: list[str] | None = None) -> int:
     # All servers run at once (started one after another, so that the adaptive one measures its cost
     # model on a quiet machine) and each concurrency level runs the modes back to back, in an order
     # that rotates from level to level: the machine's drift over the run hits every mode alike.
+    shared_off = args.off_server == "shared" and "adaptive" in modes
     servers: dict[str, ServerProcess] = {}
     try:
         for mode in modes:
+            if mode == "off" and shared_off:
+                continue
             servers[mode] = ServerProcess(args, mode, out / f"server-{mode}.log")
             servers[mode].wait_ready(args.startup_timeout)
             one_request(openai.OpenAI(base_url=servers[mode].url + "/v1", api_key="none"), chats[0], 8)  # warm-up
-            results["modes"][mode] = []
+        results["modes"] = {mode: [] for mode in modes}
+        results["off_server"] = "adaptive server, speculative=false per request" if shared_off else "its own"
         for i, c in enumerate(levels):
             for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                level = run_level(servers[mode], chats[: counts[c]], c, args.max_tokens)
+                server = servers["adaptive" if mode == "off" and shared_off else mode]
+                level = run_level(server, chats[: counts[c]], c, args.max_tokens, speculative=mode != "off")
                 print(
                     f"{mode:>8} c={c}: {level['tokens_per_s']:.1f} tok/s, TTFT p50 {level['ttft_s']['p50']:.2f} s, "
                     f"α {level['acceptance_rate']:.2f}",

@@ -367,6 +367,10 @@ def test_metrics_count_requests_tokens_and_speculation(server) -> None:
         "specdecode_e2e_request_latency_seconds_count",
         "specdecode_time_per_output_token_seconds_count",
     ]
+    phases = ("plan", "draft", "target", "verify", "step", "prefill")
+    phase_names = ("specdecode_step_phase_seconds_count", "specdecode_step_phase_seconds_sum")
+    phases_before = {(n, p): server.metric(n, phase=p) for n in phase_names for p in phases}
+    steps_before = server.metric("specdecode_decode_steps_total")
     before = {n: server.metric(n) for n in names}
     per_pos = [
         server.metric("specdecode_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)
@@ -388,6 +392,12 @@ def test_metrics_count_requests_tokens_and_speculation(server) -> None:
     ]
     assert sum(per_pos_after) - sum(per_pos) == spec["accepted_tokens"]
     assert server.metric("specdecode_requests_total", **ok) == requests_before + 1
+    # every decode step is timed once per phase; one prefill pass; the phases add up to the step
+    steps = server.metric("specdecode_decode_steps_total") - steps_before
+    count, total = ({p: server.metric(n, phase=p) - phases_before[n, p] for p in phases} for n in phase_names)
+    assert steps > 0 and all(count[p] == steps for p in phases if p != "prefill") and count["prefill"] == 1
+    parts = sum(total[p] for p in ("plan", "draft", "target", "verify"))
+    assert total["draft"] > 0 and total["target"] > 0 and parts == pytest.approx(total["step"], rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -77,6 +77,14 @@ class ServeMetrics:
         self.e2e = Histogram(
             p + "e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.step_phase = Histogram(
+            p + "step_phase_seconds",
+            "Time of each phase of a decode step: plan (choose k per sequence), draft (all proposers), "
+            "target (the batched pass), verify (verify, roll back, emit), step (all of it); prefill passes",
+            ["phase"],
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_time = Histogram(
             p + "request_queue_time_seconds", "Time waiting in the queue", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -504,7 +504,9 @@ class Scheduler:
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
+        tic = time.perf_counter()
         logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
+        self.metrics.step_phase.labels(phase="prefill").observe(time.perf_counter() - tic)
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
             if row_hidden is not None:
                 s.proposer.observe_features(row_hidden)  # type: ignore[union-attr]  # (T, H): every prompt position
@@ -532,7 +534,10 @@ class Scheduler:
 
     def _step(self) -> None:
         seqs = list(self.active)
+        phase = self.metrics.step_phase
+        t0 = time.perf_counter()
         ks = self._plan()
+        t1 = time.perf_counter()
         drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
@@ -540,6 +545,9 @@ class Scheduler:
         tic = time.perf_counter()
         logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
         seconds = time.perf_counter() - tic
+        phase.labels(phase="plan").observe(t1 - t0)
+        phase.labels(phase="draft").observe(tic - t1)
+        phase.labels(phase="target").observe(seconds)
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
             ids = draft.ids.cpu()
             probs = draft.probs.cpu() if draft.probs is not None else None
@@ -562,6 +570,9 @@ class Scheduler:
                 self.metrics.observe_verification(len(draft), n)
             self._emit(s, result.tokens.tolist())  # 5. emit, stop
         self._leave_finished()
+        toc = time.perf_counter()
+        phase.labels(phase="verify").observe(toc - tic - seconds)
+        phase.labels(phase="step").observe(toc - t0)
 
     def _forward(
         self, seqs: list[_Sequence], inputs: list[torch.Tensor], num_logits: list[int]
