@@ -1,19 +1,21 @@
 #!/usr/bin/env python
 """Load benchmark of ``specdecode serve`` with the official ``openai`` client (a script, not a test).
 
-For the speculation modes ``on`` and ``adaptive`` it starts one server each (a subprocess,
-``python -m specdecode.cli serve --speculation MODE``; both stay up, idle while another runs) and
-warms it up. Mode ``off`` is the adaptive server's own process with every request sent with
-``speculative: false`` (exactly what an ``--speculation off`` server runs: no proposer, no draft,
-the same batched target passes): two server processes of the same code and settings differ by
-about 10% in speed on this machine (cause not found; measured with two ``off`` servers side by
-side), which is more than the 5% that separates a good schedule from a bad one, so adaptive and
-off are compared in one process (``--off-server separate`` starts its own ``off`` server). Then
-for every concurrency level (1, 2, 4, 8), mode after mode (the order rotates from level to level,
-so that slow drift of the machine hits every mode alike), it sends
-the same prompts (Spec-Bench dev questions, first turn, as chats) from
-that many client threads: greedy, ``max_tokens`` tokens each with ``ignore_eos`` (every request
-produces exactly that many tokens, as vLLM's serving benchmark does). Per (mode, concurrency):
+All modes run in one server process (``--server shared``, the default): a server started with
+``--speculation adaptive`` (``on`` if adaptive is not among the modes), every request sent with
+its mode as the per-request ``speculation`` extension (``"on"``: draft k every step; ``"off"``:
+the target alone, exactly what an ``--speculation off`` server runs; ``"adaptive"``: the cost
+model decides). Two server processes of the same code and settings differ by about 10% in speed
+on this machine (cause not found; measured with two ``off`` servers side by side,
+``scripts/serve_side_by_side.py``), more than the 5% that separates a good schedule from a bad
+one, so modes are compared within one process; ``--server separate`` starts one server per mode.
+Every concurrency level (1, 2, 4, 8) is split into ``--rounds`` rounds (fewer where a round would
+get fewer requests than the concurrency); in each round every mode
+(in an order that rotates from round to round and level to level, so that the machine's slow
+drift hits every mode alike) sends the round's share of the prompts (Spec-Bench dev questions,
+first turn, as chats; every mode gets the same ones) from that many client threads: greedy,
+``max_tokens`` tokens each with ``ignore_eos`` (every request produces exactly that many tokens,
+as vLLM's serving benchmark does). Per (mode, concurrency), pooled over the rounds:
 
 - throughput: output tokens / wall time of the level, and requests / s;
 - latency percentiles (p50, p90, p99) of time to first token (first streamed token),
@@ -65,10 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all but humaneval)")
     p.add_argument(
-        "--off-server",
+        "--server",
         choices=["shared", "separate"],
         default="shared",
-        help="shared (default): off = the adaptive server with speculative=false per request; separate: its own server",
+        help="shared (default): one server, the mode per request (speculation extension); separate: one per mode",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="rounds per level: the level's requests split over them, at least concurrency requests per round",
     )
     p.add_argument("--engine-baseline", action="store_true", help="also time one-at-a-time engine decoding")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server")
@@ -110,7 +118,7 @@ class ServerProcess:
         command = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), "--speculation", mode]
         command += ["--dtype", args.dtype, "--proposer", args.proposer, "-k", str(args.num_speculative_tokens)]
         command += ["--max-batch-size", str(args.max_batch_size), "--served-model-name", "bench"]
-        command += ["--log-level", "warning"]
+        command += ["--log-level", "info"]  # the cost model measured at start-up is logged
         for flag in ("target", "draft"):
             if getattr(args, flag):
                 command += [f"--{flag}", getattr(args, flag)]
@@ -155,9 +163,10 @@ class ServerProcess:
         self.log.close()
 
 
-def one_request(client: Any, chat: str, max_tokens: int, speculative: bool = True) -> dict[str, Any]:
+def one_request(client: Any, chat: str, max_tokens: int, speculation: str | None = None) -> dict[str, Any]:
     """One streamed greedy chat request; returns times (s), tokens and the token ids.
-    ``speculative=False`` asks the server not to speculate for it (the ``speculative`` extension)."""
+    ``speculation`` (``"on"``, ``"off"``, ``"adaptive"``; None: the server's mode) is sent as the
+    per-request ``speculation`` extension."""
     start = time.perf_counter()
     first = None
     ids: list[int] = []
@@ -167,7 +176,11 @@ def one_request(client: Any, chat: str, max_tokens: int, speculative: bool = Tru
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True, **({} if speculative else {"speculative": False})},
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **({"speculation": speculation} if speculation else {}),
+        },
     )
     for chunk in stream:
         for choice in chunk.choices:
@@ -195,8 +208,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def run_level(
-    server: ServerProcess, chats: list[str], concurrency: int, max_tokens: int, speculative: bool = True
+    server: ServerProcess, chats: list[str], concurrency: int, max_tokens: int, speculation: str | None = None
 ) -> dict[str, Any]:
+    """Send ``chats`` from ``concurrency`` client threads; returns the pooled summary (see
+    :func:`summarize`) of this one round."""
+    return summarize([send_round(server, chats, concurrency, max_tokens, speculation)], concurrency)
+
+
+def send_round(
+    server: ServerProcess, chats: list[str], concurrency: int, max_tokens: int, speculation: str | None
+) -> dict[str, Any]:
+    """One round: wall time, every request's result and the ``/metrics`` counters' increase."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -211,7 +233,7 @@ def run_level(
                 if not queue:
                     return
                 index, chat = queue.pop(0)
-            results[index] = one_request(client, chat, max_tokens, speculative)
+            results[index] = one_request(client, chat, max_tokens, speculation)
 
     tic = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -220,7 +242,21 @@ def run_level(
     wall = time.perf_counter() - tic
     after = server.metrics()
     done = [r for r in results if r is not None]
-    spec = {name.removeprefix("specdecode_spec_decode_"): after.get(name, 0) - before.get(name, 0) for name in after}
+    counters = {
+        name.removeprefix("specdecode_spec_decode_"): after.get(name, 0) - before.get(name, 0) for name in after
+    }
+    return {"wall_s": wall, "done": done, "counters": counters}
+
+
+def summarize(rounds: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """Pool rounds of one (mode, concurrency): throughput = all tokens / all wall time, latency
+    percentiles over all requests, counters summed; ``rounds_tokens_per_s`` keeps each round's."""
+    spec: dict[str, float] = {}
+    for r in rounds:
+        for name, value in r["counters"].items():
+            spec[name] = spec.get(name, 0.0) + value
+    done = [x for r in rounds for x in r["done"]]
+    wall = sum(r["wall_s"] for r in rounds)
     phase_ms = {  # mean milliseconds per decode step (per prefill pass) of each phase, from /metrics
         phase: 1e3 * spec.get(f"specdecode_step_phase_seconds_sum:{phase}", 0.0) / count
         for phase in ("plan", "draft", "target", "verify", "step", "prefill")
@@ -232,9 +268,11 @@ def run_level(
     return {
         "concurrency": concurrency,
         "requests": len(done),
+        "rounds": len(rounds),
         "wall_s": wall,
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall,
+        "rounds_tokens_per_s": [sum(x["tokens"] for x in r["done"]) / r["wall_s"] for r in rounds],
         "requests_per_s": len(done) / wall,
         "ttft_s": percentiles([r["ttft_s"] for r in done]),
         "tpot_s": percentiles([r["tpot_s"] for r in done]),
@@ -280,7 +318,8 @@ def report(results: dict[str, Any]) -> str:
         f"{results['date']}, {results['machine']}; dtype {results['args']['dtype']}, proposer "
         f"{results['args']['proposer']}, k = {results['args']['num_speculative_tokens']}, greedy, "
         f"{results['args']['max_tokens']} tokens per request (ignore_eos), --max-batch-size "
-        f"{results['args']['max_batch_size']}. Mode off: {results.get('off_server', 'its own server')}.",
+        f"{results['args']['max_batch_size']}. Servers: {results.get('server', 'one per mode')}; "
+        f"{results['args'].get('rounds', 1)} round(s) per level.",
         "",
         "| concurrency | mode | tok/s | req/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 (ms) | e2e p50 / p99 (s) "
         "| α | MAL | ms per step: plan / draft / target / all |",
@@ -298,16 +337,25 @@ def report(results: dict[str, Any]) -> str:
             )
     lines += ["", "Throughput relative to `off` (same concurrency):", ""]
     lines += [
-        "| concurrency | " + " | ".join(modes) + " | adaptive / best of on, off |",
-        "|---" * (len(modes) + 2) + "|",
+        "| concurrency | " + " | ".join(modes) + " | adaptive / best of on, off | per round |",
+        "|---" * (len(modes) + 3) + "|",
     ]
     for c in results["args"]["concurrency"]:
-        tps = {m: next(x for x in results["modes"][m] if x["concurrency"] == c)["tokens_per_s"] for m in modes}
+        level = {m: next(x for x in results["modes"][m] if x["concurrency"] == c) for m in modes}
+        tps = {m: level[m]["tokens_per_s"] for m in modes}
         base = tps.get("off") or 1.0
         cells = " | ".join(f"{tps[m] / base:.2f}" for m in modes)
         best = max(tps.get("on", 0.0), tps.get("off", 0.0)) or 1.0
         ratio = f"{tps['adaptive'] / best:.2f}" if "adaptive" in tps else "-"
-        lines.append(f"| {c} | {cells} | {ratio} |")
+        per_round = "-"
+        if "adaptive" in tps and {"on", "off"} & set(modes):
+            rounds = zip(*(level[m].get("rounds_tokens_per_s", [tps[m]]) for m in modes), strict=False)
+            ratios = []
+            for values in rounds:
+                by_mode = dict(zip(modes, values, strict=True))
+                ratios.append(by_mode["adaptive"] / (max(by_mode.get("on", 0.0), by_mode.get("off", 0.0)) or 1.0))
+            per_round = ", ".join(f"{x:.2f}" for x in ratios)
+        lines.append(f"| {c} | {cells} | {ratio} | {per_round} |")
     if "engine" in results:
         eng = results["engine"]
         lines += [
@@ -339,31 +387,44 @@ def main(argv: list[str] | None = None) -> int:
         "args": {**vars(args), "concurrency": levels},
         "modes": {},
     }
-    # All servers run at once (started one after another, so that the adaptive one measures its cost
-    # model on a quiet machine) and each concurrency level runs the modes back to back, in an order
-    # that rotates from level to level: the machine's drift over the run hits every mode alike.
-    shared_off = args.off_server == "shared" and "adaptive" in modes
+    # Shared: one server, the mode per request. Separate: one server per mode, all up at once
+    # (started one after another, so that the adaptive one measures its cost model on a quiet
+    # machine). Each level runs in rounds, every mode once per round, in an order that rotates from
+    # round to round: the machine's drift over the run hits every mode alike.
+    shared = args.server == "shared"
     servers: dict[str, ServerProcess] = {}
     try:
-        for mode in modes:
-            if mode == "off" and shared_off:
-                continue
+        for mode in ["adaptive" if "adaptive" in modes else "on"] if shared else modes:
             servers[mode] = ServerProcess(args, mode, out / f"server-{mode}.log")
             servers[mode].wait_ready(args.startup_timeout)
             one_request(openai.OpenAI(base_url=servers[mode].url + "/v1", api_key="none"), chats[0], 8)  # warm-up
         results["modes"] = {mode: [] for mode in modes}
-        results["off_server"] = "adaptive server, speculative=false per request" if shared_off else "its own"
-        for i, c in enumerate(levels):
-            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                server = servers["adaptive" if mode == "off" and shared_off else mode]
-                level = run_level(server, chats[: counts[c]], c, args.max_tokens, speculative=mode != "off")
+        results["server"] = (
+            f"one server (--speculation {next(iter(servers))}), the mode per request" if shared else "one per mode"
+        )
+        turn = 0
+        for c in levels:
+            rounds = max(1, min(args.rounds, counts[c] // c))  # a round keeps at least c requests
+            share = -(-counts[c] // rounds)  # requests per round
+            parts: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            for r in range(rounds):
+                batch = chats[r * share : min(counts[c], (r + 1) * share)]
+                if not batch:
+                    break
+                for mode in modes[turn % len(modes) :] + modes[: turn % len(modes)]:
+                    server = next(iter(servers.values())) if shared else servers[mode]
+                    part = send_round(server, batch, c, args.max_tokens, mode if shared else None)
+                    parts[mode].append(part)
+                    tps = sum(x["tokens"] for x in part["done"]) / part["wall_s"]
+                    print(f"{mode:>8} c={c} round {r}: {tps:.2f} tok/s", flush=True)
+                turn += 1
+            for mode in modes:
+                level = summarize(parts[mode], c)
                 print(
-                    f"{mode:>8} c={c}: {level['tokens_per_s']:.1f} tok/s, TTFT p50 {level['ttft_s']['p50']:.2f} s, "
-                    f"α {level['acceptance_rate']:.2f}",
-                    flush=True,
+                    f"{mode:>8} c={c}: {level['tokens_per_s']:.2f} tok/s, α {level['acceptance_rate']:.2f}", flush=True
                 )
                 results["modes"][mode].append(level)
-                (out / "partial.json").write_text(json.dumps(results, indent=1))  # survives an interrupted run
+            (out / "partial.json").write_text(json.dumps(results, indent=1))  # survives an interrupted run
     finally:
         for server in servers.values():
             server.close()

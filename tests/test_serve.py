@@ -234,6 +234,26 @@ def test_concurrent_requests_equal_each_request_alone(adaptive, models, tiny_tok
     assert adaptive.scheduler.cost is not None and adaptive.scheduler.cost.target_s[0][0] > 0
 
 
+def test_per_request_speculation_mode_on_an_adaptive_server(adaptive, models, tiny_tokenizer) -> None:
+    ids = tiny_tokenizer.encode(PROMPTS[2])
+    want = greedy_reference(models[0], tiny_tokenizer, ids, 16)
+    for mode in ("on", "off", "adaptive"):
+        out = adaptive.client().completions.create(
+            model="tiny",
+            prompt=ids,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"return_token_ids": True, "speculation": mode},
+        )
+        assert extra(out.choices[0], "token_ids") == want
+        spec = extra(out, "speculative")
+        assert spec["mode"] == mode and spec["enabled"] is (mode != "off")
+        if mode == "on":
+            assert spec["drafts"] == spec["target_forward_passes"] - 1  # drafted every step after the prefill
+        if mode == "off":
+            assert spec["draft_tokens"] == 0
+
+
 # ---------------------------------------------------------------------------------- robustness
 BAD = [
     ({"model": "gpt-4", "prompt": "hi"}, "model"),
@@ -251,6 +271,9 @@ BAD = [
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "tiny", "prompt": "hi", "speculation": "always"}, "speculation"),
+    ({"model": "tiny", "prompt": "hi", "speculation": "on", "speculative": False}, "speculation"),
+    ({"model": "tiny", "prompt": "hi", "speculation": "adaptive"}, "speculation"),  # the server runs "on"
 ]
 
 

@@ -139,6 +139,65 @@ def test_continuous_batching_is_exact(models, tiny_tokenizer, speculation, cost,
     assert scheduler.reserved == 0 and scheduler.runner.num_rows == 0
 
 
+def test_a_request_may_ask_for_its_own_speculation_mode(models, tiny_tokenizer) -> None:
+    """On an adaptive server whose cost model never drafts, a request with ``speculation="on"``
+    drafts its k every step (exactly), its neighbours in the batch do not; requests cannot ask for
+    a mode the server cannot run."""
+    target, _ = models
+    scheduler = make(models, tiny_tokenizer, cost=STEEP, speculation="adaptive")
+    ps = prompts(tiny_tokenizer)
+    on, adaptive, off = Client(ps[0], 20, speculation="on"), Client(ps[1], 20), Client(ps[2], 20, speculation="off")
+    for c in (on, adaptive, off):
+        scheduler.submit(c.req)
+    run(scheduler)
+    for c, mode in ((on, "on"), (adaptive, "adaptive"), (off, "off")):
+        want = reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
+        assert c.tokens == want
+        spec = c.final.summary["speculative"]
+        assert spec["mode"] == mode
+        assert (spec["draft_tokens"] > 0) == (mode == "on")
+    for speculation, allowed in (
+        ("on", {"on", "off", None}),
+        ("off", {"off", None}),
+        ("adaptive", {"on", "off", "adaptive", None}),
+    ):
+        server = make(
+            models, tiny_tokenizer, cost=STEEP if speculation == "adaptive" else None, speculation=speculation
+        )
+        for mode in ("on", "off", "adaptive", None):
+            req = Client(ps[0], 5, speculation=mode).req
+            if mode in allowed:
+                server.validate(req)
+            else:
+                with pytest.raises(InvalidRequestError, match=f"speculation '{mode}'") as error:
+                    server.validate(req)
+                assert error.value.param == "speculation"
+
+
+def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monkeypatch) -> None:
+    """c_p is refined only with calls right after the sequence's previous draft: not with its first
+    call (the draft model prefills the prompt) nor with one after steps without a draft."""
+    cost = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]], {"draft_model": 0.01})
+    observed: list[int] = []
+    monkeypatch.setattr(cost, "observe_draft", lambda name, seconds, tokens: observed.append(tokens))
+    scheduler = make(models, tiny_tokenizer, cost=cost, speculation="on")
+    client = Client(prompts(tiny_tokenizer)[0], 30, ignore_eos=True)
+    scheduler.submit(client.req)
+    run(scheduler)
+    drafts = client.final.summary["speculative"]["drafts"]
+    assert drafts >= 3 and len(observed) == drafts - 1  # every call but the first
+    s = scheduler  # a gap: a row that drafts, skips two steps, then drafts again is not sampled then
+    observed.clear()
+    client = Client(prompts(tiny_tokenizer)[1], 30, ignore_eos=True)
+    s.submit(client.req)
+    s.run_once()  # prefill
+    plans = iter([[3], [0], [0]])
+    monkeypatch.setattr(s, "_plan", lambda: next(plans, [3]))
+    run(s)
+    drafts = client.final.summary["speculative"]["drafts"]
+    assert drafts >= 3 and len(observed) == drafts - 2  # not the first call, not the one after the gap
+
+
 def test_sampled_output_does_not_depend_on_the_batch(models, tiny_tokenizer) -> None:
     scheduler = make(models, tiny_tokenizer, speculation="on")
     ps = prompts(tiny_tokenizer)

@@ -243,13 +243,14 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         except ValueError as error:
             raise bad_request(str(error).replace("max_new_tokens", "max_tokens")) from None
         proposer = body.proposer or settings.proposer
-        speculative = body.speculative is not False and proposer is not None
-        if body.speculative and proposer is None:
+        speculative = body.speculative is not False and body.speculation != "off" and proposer is not None
+        if (body.speculative or body.speculation in ("on", "adaptive")) and proposer is None:
             raise bad_request("speculative: this server has no proposer; give one in 'proposer'", "speculative")
         if speculative:
             assert proposer is not None
             try:
                 scheduler.check_proposer(proposer)
+                scheduler.check_speculation(body.speculation)
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
         prefix = "chatcmpl-" if endpoint.endswith("chat/completions") else "cmpl-"
@@ -260,6 +261,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             speculative=speculative,
             proposer=proposer if speculative else None,
             num_speculative_tokens=body.num_speculative_tokens or settings.num_speculative_tokens,
+            speculation=body.speculation if speculative else None,
             on_event=lambda event: None,
             endpoint=endpoint,
             audit_settings={
@@ -274,7 +276,8 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
                 "speculative_requested": body.speculative,
                 "proposer": proposer if speculative else None,
                 "num_speculative_tokens": body.num_speculative_tokens or settings.num_speculative_tokens,
-                "speculation_mode": settings.speculation,
+                "speculation_requested": body.speculation,
+                "speculation_mode": (body.speculation or settings.speculation) if speculative else "off",
                 "ignore_eos": bool(body.ignore_eos),
             },
             audit_prompt=prompt,

@@ -16,7 +16,10 @@ The model (all times in seconds, measured on this machine):
 - ``c_p``: the time proposer ``p`` takes per drafted token for one sequence (a draft model runs
   one forward per token; prompt lookup almost nothing). Measured at start-up for the server's
   default proposer (:func:`measure_draft_cost`), for the others on their first use, and refined
-  while serving (an exponential moving average).
+  while serving (an exponential moving average) with the calls that drafted right after the
+  sequence's previous draft: a call that first catches up with more context (the proposer's
+  prompt prefill on a sequence's first call, the tokens of steps it did not draft) is a one-off
+  cost, not the per-token one the plan needs, and would hold drafting back long after.
 - ``alpha_i``: sequence i's acceptance rate, ``(accepted + w * alpha_p) / (drafted + w)`` with
   its own recent counts (decayed by :data:`DECAY` per step) and the server's running rate
   ``alpha_p`` of its proposer as the prior (weight ``w`` = :data:`PRIOR_WEIGHT` tokens). A
@@ -41,6 +44,7 @@ then). The best K wins; K = 0 (no speculation) is always a candidate. So at a ba
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -191,8 +195,12 @@ def measure_target_costs(
     """Time one batched target pass for every (B, T) of the grid, after ``context`` cached tokens per row.
 
     Uses its own :class:`~specdecode.serve.batch.BatchedRunner` (its own cache), so it can run
-    before serving starts. Each point: one warm-up pass, then the fastest of ``repeats`` (the
-    least disturbed by other processes); the table is then made monotone (:func:`monotone`).
+    before serving starts. One warm-up sweep over the grid, then ``repeats`` timed sweeps; each
+    point keeps its fastest pass (the least disturbed by other processes). Sweeping the whole grid
+    per repeat, rather than repeating one point before the next, spreads a disturbance of a few
+    seconds over one sample of many points instead of every sample of a few: measured point by
+    point, one slow second could price T = 2 at B = 1 well above T = 1 and switch drafting off for
+    the server's life. The table is then made monotone (:func:`monotone`).
 
     Returns:
         a :class:`CostModel` without draft costs.
@@ -208,21 +216,18 @@ def measure_target_costs(
     for _ in range(max(batch_sizes)):
         runner.add_row()
     runner.forward(0, [prompt] * runner.num_rows, [1] * runner.num_rows)
-    table = []
-    for B in batch_sizes:
-        row = []
-        for T in tokens:
-            times = []
-            for _ in range(repeats + 1):
+    table = [[math.inf] * len(tokens) for _ in batch_sizes]
+    for sweep in range(repeats + 1):
+        for i, B in enumerate(batch_sizes):
+            for j, T in enumerate(tokens):
                 for r in range(B):
                     runner.truncate(r, context)
                 _sync(runner.device)
                 tic = time.perf_counter()
                 runner.forward(0, [step[:T]] * B, [T] * B)
                 _sync(runner.device)
-                times.append(time.perf_counter() - tic)
-            row.append(min(times[1:]))
-        table.append(row)
+                if sweep > 0:  # sweep 0 warms every shape up
+                    table[i][j] = min(table[i][j], time.perf_counter() - tic)
     return CostModel(list(batch_sizes), list(tokens), monotone(table))
 
 

@@ -116,6 +116,8 @@ class ServeRequest:
         speculative: whether this request may draft at all.
         proposer: the proposer's name (None when not speculative).
         num_speculative_tokens: the most tokens drafted per step (k).
+        speculation: this request's speculation mode (``"on"`` or ``"adaptive"``) in place of the
+            server's ``--speculation``, or None for the server's (see :meth:`Scheduler.mode`).
         on_event: called from the scheduler thread with every :class:`Event`; must be thread-safe.
         endpoint: the HTTP route, for the audit log.
         audit_settings: settings recorded in the audit log.
@@ -138,6 +140,7 @@ class ServeRequest:
     created: float = field(default_factory=time.time)
     deadline: float = math.inf
     ignore_eos: bool = False
+    speculation: str | None = None
 
     @property
     def max_k(self) -> int:
@@ -182,6 +185,7 @@ class _Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
+        self.drafted_at: int | None = None  # context length at the proposer's last call
 
     def room(self) -> int:
         """The most tokens it may draft this step (the engine's rule: leave room for the bonus token)."""
@@ -297,6 +301,39 @@ class Scheduler:
                 f"proposer must be one of {self.proposers()} on this server, got {name!r}{hint}", "proposer"
             )
 
+    def check_speculation(self, mode: str | None) -> None:
+        """Raises InvalidRequestError(param="speculation") unless a request may ask for ``mode``.
+
+        ``"off"`` and None are always allowed; ``"on"`` and ``"adaptive"`` not on a server started
+        with ``--speculation off``; ``"adaptive"`` only on one started with ``--speculation adaptive``
+        (the cost model is measured at start-up).
+        """
+        server = self.settings.speculation
+        if mode in (None, "off") or mode == server:
+            return
+        if mode not in ("on", "adaptive"):
+            raise InvalidRequestError(
+                f"speculation must be one of 'on', 'off', 'adaptive', got {mode!r}", "speculation"
+            )
+        if server == "off":
+            raise InvalidRequestError(
+                f"speculation {mode!r}: this server runs with --speculation off (target alone for every request)",
+                "speculation",
+            )
+        if mode == "adaptive":
+            raise InvalidRequestError(
+                "speculation 'adaptive' needs the cost model measured at start-up: this server runs with "
+                "--speculation on (start it with --speculation adaptive)",
+                "speculation",
+            )
+
+    def mode(self, req: ServeRequest) -> str:
+        """The speculation mode ``req`` decodes with: ``"off"`` when it does not speculate, else its
+        own ``speculation`` or the server's ``--speculation``."""
+        if not req.speculative or req.speculation == "off":
+            return "off"
+        return req.speculation or self.settings.speculation
+
     def reservation(self, req: ServeRequest) -> int:
         """KV-cache tokens ``req`` reserves while it runs: ``prompt + max_tokens + k + 1``."""
         return len(req.prompt_ids) + req.sampling.max_new_tokens + req.max_k + 1
@@ -326,6 +363,7 @@ class Scheduler:
             if req.proposer is None:
                 raise InvalidRequestError("speculative decoding needs a proposer; none is configured", "proposer")
             self.check_proposer(req.proposer)
+        self.check_speculation(req.speculation)
         need = self.reservation(req)
         if need > self.settings.kv_budget_tokens:
             raise InvalidRequestError(
@@ -485,7 +523,7 @@ class Scheduler:
     def _start(self, req: ServeRequest) -> _Sequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
         proposer = None
-        if req.speculative and req.proposer is not None and self.settings.speculation != "off":
+        if req.speculative and req.proposer is not None and self.mode(req) != "off":
             options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
             try:
                 proposer = make_proposer(req.proposer, draft=self.draft, target=self.target, **options)
@@ -517,11 +555,11 @@ class Scheduler:
     def _plan(self) -> list[int]:
         """k per running sequence for this step (``--speculation`` and the cost model)."""
         max_ks = [s.room() for s in self.active]
-        mode = self.settings.speculation
-        if mode == "off":
-            return [0] * len(max_ks)
-        if mode == "on" or self.cost is None:
-            return max_ks
+        modes = [self.mode(s.req) for s in self.active]
+        if "adaptive" not in modes or self.cost is None:  # no cost model yet: adaptive drafts as on
+            return [0 if mode == "off" else m for m, mode in zip(max_ks, modes, strict=True)]
+        # Rows of requests that asked for "on" draft their k whatever the plan says; the plan is
+        # made over every row (their k is at most what the plan costs them anyway).
         names = [s.req.proposer or "" for s in self.active]
         priors = [self._prior.get(n, INITIAL_ACCEPTANCE) for n in names]
         alphas = [s.estimate.rate(p) for s, p in zip(self.active, priors, strict=True)]
@@ -530,7 +568,7 @@ class Scheduler:
         for s, k, m in zip(self.active, ks, max_ks, strict=True):
             if k == 0 and m > 0:
                 s.estimate.observe(0, 0)  # not drafting: forget a little, drift back to the prior
-        return ks
+        return [m if mode == "on" else k for k, m, mode in zip(ks, max_ks, modes, strict=True)]
 
     def _step(self) -> None:
         seqs = list(self.active)
@@ -599,7 +637,12 @@ class Scheduler:
             return DraftTokens.empty()
         seconds = time.perf_counter() - tic
         s.stats.draft_time_s += seconds
-        if self.cost is not None and s.req.proposer is not None:
+        # c_p is the steady cost per drafted token: a call that first caught up with more context
+        # than one step adds (the proposer's prompt prefill on its first call, or the tokens of the
+        # steps it did not draft) is not a sample of it.
+        steady = s.drafted_at is not None and s.T - s.drafted_at <= s.req.max_k + 1
+        s.drafted_at = s.T
+        if self.cost is not None and s.req.proposer is not None and steady:
             self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
 
@@ -676,7 +719,7 @@ class Scheduler:
             "enabled": enabled,
             "proposer": req.proposer if enabled else None,
             "num_speculative_tokens": req.max_k if enabled else 0,
-            "mode": self.settings.speculation,
+            "mode": self.mode(req),
             "drafts": stats.drafts,
             "draft_tokens": stats.draft_tokens,
             "accepted_tokens": stats.accepted_tokens,

@@ -3,6 +3,11 @@
 Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client through ``extra_body``):
 
 - ``speculative`` (bool, default true): false decodes with the target alone;
+- ``speculation`` (``"on"``, ``"off"`` or ``"adaptive"``): this request's own speculation mode in
+  place of the server's ``--speculation``: ``"on"`` drafts k tokens every step whatever the load,
+  ``"adaptive"`` lets the cost model decide (needs a server started with ``--speculation
+  adaptive``), ``"off"`` is ``speculative: false``. A server started with ``--speculation off``
+  refuses ``"on"`` and ``"adaptive"``;
 - ``proposer`` (str): a proposer name (``GET /v1/models`` lists those the server can run);
 - ``num_speculative_tokens`` (int, 1 .. 64): k, the most tokens drafted per step;
 - ``top_k`` (int >= 0, 0 = off; -1 is read as off, as in vLLM);
@@ -45,6 +50,7 @@ class _Common(BaseModel):
     user: str | None = None
     # specdecode extensions
     speculative: bool | None = None
+    speculation: Literal["on", "off", "adaptive"] | None = None
     proposer: str | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
     return_token_ids: bool | None = False
@@ -81,6 +87,8 @@ class _Common(BaseModel):
                 raise ValueError(f"{name} is not supported by this server (it would change the target's distribution)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.speculative is False and self.speculation in ("on", "adaptive"):
+            raise ValueError(f"speculation {self.speculation!r} contradicts speculative: false")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
