@@ -179,7 +179,15 @@ def test_cost_model_interpolates_and_learns_draft_cost() -> None:
     assert cost.draft_time("draft_model") == pytest.approx(0.1)
     cost.observe_draft("draft_model", 0.0, 0)  # nothing drafted: no information
     assert cost.draft_time("draft_model") == pytest.approx(0.1)
-    assert monotone([[2.0, 1.0], [1.0, 3.0]]) == [[2.0, 2.0], [2.0, 3.0]]
+    assert monotone([[2.0, 1.0], [1.0, 3.0]]) == [[1.0, 1.0], [1.0, 3.0]]  # the faster sample wins
+    assert monotone([[5.0, 1.0, 2.0], [1.0, 1.5, 4.0]]) == [[1.0, 1.0, 2.0], [1.0, 1.5, 4.0]]
+    cost.observe_target(4, 5, 16.0)  # 16 s where the table says 6: the row's factor moves 10% of the way
+    factor = 0.9 + 0.1 * 16.0 / 6.0
+    assert cost.target_time(4, 5) == pytest.approx(6.0 * factor)
+    assert cost.target_time(4, 1) == pytest.approx(3.0 * factor)  # the whole row: the shape is kept
+    assert cost.target_time(1, 5) == 2.0  # other rows unchanged
+    cost.observe_target(3, 5, 100.0)  # a batch size off the grid: ignored
+    assert cost.scale == [1.0, pytest.approx(factor)]
     assert default_batch_grid(8) == [1, 2, 4, 8] and default_batch_grid(6) == [1, 2, 4, 6]
 
 

@@ -4,6 +4,7 @@ timeouts, the KV budget and the queue bound. Greedy output must equal target-onl
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -38,6 +39,7 @@ def models(tiny_tokenizer):
 def make(models, tokenizer, cost: CostModel | None = FLAT, **options) -> Scheduler:
     target, draft = models
     settings = ServeSettings(**{"model_name": "tiny", "max_batch_size": 4, "kv_budget_tokens": 4096, **options})
+    cost = copy.deepcopy(cost)  # serving refines c_p in place: FLAT and STEEP stay as written
     scheduler = Scheduler(target, tokenizer, settings, draft=draft, cost=cost)
     scheduler.start(thread=False)
     return scheduler
@@ -179,8 +181,8 @@ def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monk
     call (the draft model prefills the prompt) nor with one after steps without a draft."""
     cost = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]], {"draft_model": 0.01})
     observed: list[int] = []
-    monkeypatch.setattr(cost, "observe_draft", lambda name, seconds, tokens: observed.append(tokens))
     scheduler = make(models, tiny_tokenizer, cost=cost, speculation="on")
+    monkeypatch.setattr(scheduler.cost, "observe_draft", lambda name, seconds, tokens: observed.append(tokens))
     client = Client(prompts(tiny_tokenizer)[0], 30, ignore_eos=True)
     scheduler.submit(client.req)
     run(scheduler)
@@ -356,7 +358,7 @@ def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(mod
     target, _ = models
     foreign = make_tiny_model(vocab_size=len(tiny_tokenizer) + 7, seed=3)  # another vocabulary size
     settings = ServeSettings(model_name="tiny", max_batch_size=2, kv_budget_tokens=1024, proposer=None)
-    scheduler = Scheduler(target, tiny_tokenizer, settings, draft=foreign, cost=FLAT)
+    scheduler = Scheduler(target, tiny_tokenizer, settings, draft=foreign, cost=copy.deepcopy(FLAT))
     names = scheduler.proposers()
     assert "cross_tokenizer" in names and "draft_model" not in names and "prompt_lookup" in names
     with pytest.raises(InvalidRequestError) as info:

@@ -11,7 +11,9 @@ with the ``finish_reason``, and on the usage chunk)::
      "drafts": 9, "draft_tokens": 36, "accepted_tokens": 30, "acceptance_rate": 0.83,
      "mean_acceptance_length": 4.33, "target_forward_passes": 10, "lossless": true}
 
-``lossless`` is always true: every proposer is verified exactly (greedy output equals the
+``mode`` is the speculation mode the request decoded with: its own ``speculation`` extension
+(``"on"``, ``"off"``, ``"adaptive"``), else the server's ``--speculation``; ``"off"`` when it
+did not speculate. ``lossless`` is always true: every proposer is verified exactly (greedy output equals the
 target's own greedy output; sampled output follows the target's distribution).
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input

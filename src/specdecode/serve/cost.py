@@ -12,7 +12,10 @@ The model (all times in seconds, measured on this machine):
   largest draft in the batch; shorter rows are padded). Measured at start-up on a grid of batch
   sizes (1, 2, 4, ... up to ``--max-batch-size``) and ``T`` in {1, 2, 3, k/2 + 1, k + 1} at a
   fixed context (:func:`measure_target_costs`), interpolated linearly in each axis between grid
-  points and clamped outside it.
+  points and clamped outside it. While serving, every pass of a batch size on the grid moves that
+  row's speed factor (:meth:`CostModel.observe_target`, an exponential moving average): the
+  start-up minute may have been a slow or a fast one, and serving contexts are longer than the 64
+  tokens measured; the table keeps the shape, the factor follows the level.
 - ``c_p``: the time proposer ``p`` takes per drafted token for one sequence (a draft model runs
   one forward per token; prompt lookup almost nothing). Measured at start-up for the server's
   default proposer (:func:`measure_draft_cost`), for the others on their first use, and refined
@@ -43,7 +46,6 @@ then). The best K wins; K = 0 (no speculation) is always a candidate. So at a ba
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +62,7 @@ PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
 INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
 DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
+TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row per pass observed
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -87,10 +90,17 @@ class CostModel:
     tokens: list[int]
     target_s: list[list[float]]
     draft_s_per_token: dict[str, float] = field(default_factory=dict)
+    scale: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.scale = list(self.scale) or [1.0] * len(self.batch_sizes)
 
     def target_time(self, batch: int, tokens: int) -> float:
-        """``t_target(B, T)`` in seconds, interpolated linearly in T, then in B (clamped at the grid's ends)."""
-        per_b = [float(np.interp(tokens, self.tokens, row)) for row in self.target_s]
+        """``t_target(B, T)`` in seconds: the start-up table times its row's speed factor
+        (:meth:`observe_target`), interpolated linearly in T, then in B (clamped at the grid's ends)."""
+        per_b = [
+            f * float(np.interp(tokens, self.tokens, row)) for f, row in zip(self.scale, self.target_s, strict=True)
+        ]
         return float(np.interp(batch, self.batch_sizes, per_b))
 
     def draft_time(self, proposer: str) -> float:
@@ -105,11 +115,31 @@ class CostModel:
         new = seconds / tokens
         self.draft_s_per_token[proposer] = new if old is None else DRAFT_COST_EMA * old + (1 - DRAFT_COST_EMA) * new
 
+    def observe_target(self, batch: int, tokens: int, seconds: float) -> None:
+        """Refine the level of ``t_target(batch, .)`` with one pass measured while serving.
+
+        Each batch size of the grid has a speed factor (1 at start-up) by which its row of the
+        table is multiplied; a pass of ``batch`` rows and ``tokens`` tokens moves the factor toward
+        ``seconds`` / the start-up table's time for it (an exponential moving average, weight
+        :data:`TARGET_COST_EMA` on the old factor). The start-up table measures the shape (what
+        more tokens cost) at a 64-token context in one minute of the machine; serving passes have
+        real context lengths and the machine's current speed, which scale a row as a whole. A
+        scale rather than a per-point average keeps a row consistent: refining only the
+        plain-step point a batch runs all the time would make the untried draft lengths look
+        cheap. Batch sizes off the grid are ignored."""
+        if batch not in self.batch_sizes or seconds <= 0:
+            return
+        i = self.batch_sizes.index(batch)
+        base = float(np.interp(tokens, self.tokens, self.target_s[i]))
+        if base > 0:
+            self.scale[i] = TARGET_COST_EMA * self.scale[i] + (1 - TARGET_COST_EMA) * seconds / base
+
     def to_dict(self) -> dict[str, object]:
         return {
             "batch_sizes": self.batch_sizes,
             "tokens": self.tokens,
             "target_s": self.target_s,
+            "scale": self.scale,
             "draft_s_per_token": dict(self.draft_s_per_token),
         }
 
@@ -232,11 +262,18 @@ def measure_target_costs(
 
 
 def monotone(table: list[list[float]]) -> list[list[float]]:
-    """The table made non-decreasing along both axes (a running maximum): a pass over more rows or
-    more tokens never costs less; this removes timing noise that says otherwise."""
-    out = [list(itertools.accumulate(row, max)) for row in table]
-    for i in range(1, len(out)):
-        out[i] = [max(a, b) for a, b in zip(out[i], out[i - 1], strict=True)]
+    """The table made non-decreasing along both axes by a running *minimum* from the largest pass
+    down: a pass over fewer rows or tokens never costs more than one over more. Timing noise on a
+    shared machine only ever slows a pass down, so where two points disagree the faster one is
+    the better estimate (a running maximum from the smallest pass up would instead let one slow
+    B = 1 sample raise the whole table, making every larger batch look as cheap as B = 1)."""
+    out = [list(row) for row in table]
+    for i in reversed(range(len(out))):
+        for j in reversed(range(len(out[i]))):
+            if j + 1 < len(out[i]):
+                out[i][j] = min(out[i][j], out[i][j + 1])
+            if i + 1 < len(out):
+                out[i][j] = min(out[i][j], out[i + 1][j])
     return out
 
 

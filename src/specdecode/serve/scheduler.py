@@ -583,6 +583,8 @@ class Scheduler:
         tic = time.perf_counter()
         logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
         seconds = time.perf_counter() - tic
+        if self.cost is not None:
+            self.cost.observe_target(len(seqs), max(x.shape[0] for x in inputs), seconds)
         phase.labels(phase="plan").observe(t1 - t0)
         phase.labels(phase="draft").observe(tic - t1)
         phase.labels(phase="target").observe(seconds)
