@@ -153,6 +153,11 @@ def test_plan_speculation_follows_the_costs() -> None:
     # A draft as slow as the target itself never pays.
     assert plan_speculation([0.6], [4], [1.0], flat) == [0]
     assert plan_speculation([], [], [], flat) == []
+    # The margin: one row, a draft at 10% of a pass per token and alpha 0.2 expects 1.2 tokens in
+    # 1.1 passes (+9%): it drafts without a margin, not with 10%.
+    assert plan_speculation([0.2], [1], [0.1], flat, margin=0.0) == [1]
+    assert plan_speculation([0.2], [1], [0.1], flat, margin=0.1) == [0]
+    assert plan_speculation([0.2], [1], [0.1], flat, margin=0.05) == [1]  # 5% lets +9% through
 
 
 def test_acceptance_estimate_uses_prior_and_forgets() -> None:

@@ -39,7 +39,9 @@ tokens it may still produce) to maximise the batch's goodput, expected tokens pe
 Search (:func:`plan_speculation`): for every K in 0 .. max kmax_i, rows draft ``min(K, kmax_i)``
 or nothing; a row joins the drafting set, in order of its gain per second of draft time, while its
 gain per draft second ``(E_i - 1) / (k_i c_i)`` beats the current ``R`` (adding it raises R exactly
-then). The best K wins; K = 0 (no speculation) is always a candidate. So at a batch size where
+then). The best K wins; K = 0 (no speculation) is always a candidate (a K > 0 must beat it by
+``margin``, :data:`SPECULATION_MARGIN`, 0 by default: run 5 of the load benchmark drafted 3 times
+in 260 steps at concurrency 2 without one, too rarely to matter). So at a batch size where
 ``t_target(B, K + 1)`` is well above ``t_target(B, 1)`` nobody drafts, and a sequence with a low
 ``alpha_i`` stops drafting first.
 """
@@ -62,6 +64,7 @@ PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
 INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
 DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
+SPECULATION_MARGIN = 0.0  # a plan that drafts must be expected to beat plain decoding by this fraction
 TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row per pass observed
 
 
@@ -166,6 +169,7 @@ def plan_speculation(
     max_ks: Sequence[int],
     draft_costs: Sequence[float],
     target_time: Callable[[int, int], float],
+    margin: float = SPECULATION_MARGIN,
 ) -> list[int]:
     """Tokens to draft per row this step, maximising expected tokens per second (module docstring).
 
@@ -174,12 +178,13 @@ def plan_speculation(
         max_ks: per row, the most tokens it may draft (0: the row does not speculate).
         draft_costs: per row, seconds per drafted token of its proposer.
         target_time: ``t_target(B, T)`` in seconds.
+        margin: a plan that drafts must beat plain decoding's expected rate by this fraction.
 
     Returns:
         per row, k_i in ``0 .. max_ks[i]``.
     """
     B = len(alphas)
-    best_rate, best = B / target_time(B, 1), [0] * B
+    best_rate, best = (1.0 + margin) * B / target_time(B, 1), [0] * B
     for K in range(1, max(max_ks, default=0) + 1):
         ks = [min(K, m) for m in max_ks]
         gains = [expected_tokens(a, k) - 1.0 for a, k in zip(alphas, ks, strict=True)]
