@@ -157,7 +157,9 @@ def test_plan_speculation_follows_the_costs() -> None:
     # 1.1 passes (+9%): it drafts without a margin, not with 10%.
     assert plan_speculation([0.2], [1], [0.1], flat, margin=0.0) == [1]
     assert plan_speculation([0.2], [1], [0.1], flat, margin=0.1) == [0]
-    assert plan_speculation([0.2], [1], [0.1], flat, margin=0.05) == [1]  # 5% lets +9% through
+    assert plan_speculation([0.2], [1], [0.1], flat) == [1]  # the default margin, 5%, lets +9% through
+    assert plan_speculation([0.1], [1], [0.05], flat) == [0]  # +4.8% is not enough
+    assert plan_speculation([0.1], [1], [0.05], flat, margin=0.0) == [1]
 
 
 def test_acceptance_estimate_uses_prior_and_forgets() -> None:

@@ -382,7 +382,9 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
     folders = {"medusa": default_drafter_dir("medusa", target), "eagle": tmp_path / "eagle"}
     for kind, folder in folders.items():
         save_drafter(distill(make_drafter(kind, target, seed=1), target, steps=30), folder)
-    scheduler = make(models, tiny_tokenizer, proposer="eagle", proposer_options={"drafter": str(folders["eagle"])})
+    scheduler = make(  # "on": every row drafts its k every step, as the engine's constant schedule does
+        models, tiny_tokenizer, proposer="eagle", proposer_options={"drafter": str(folders["eagle"])}, speculation="on"
+    )
     assert {"medusa", "eagle"} <= set(scheduler.proposers())
     kinds = ["eagle", "medusa", "draft_model", None, "eagle"]
     clients = [

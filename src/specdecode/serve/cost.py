@@ -39,9 +39,13 @@ tokens it may still produce) to maximise the batch's goodput, expected tokens pe
 Search (:func:`plan_speculation`): for every K in 0 .. max kmax_i, rows draft ``min(K, kmax_i)``
 or nothing; a row joins the drafting set, in order of its gain per second of draft time, while its
 gain per draft second ``(E_i - 1) / (k_i c_i)`` beats the current ``R`` (adding it raises R exactly
-then). The best K wins; K = 0 (no speculation) is always a candidate (a K > 0 must beat it by
-``margin``, :data:`SPECULATION_MARGIN`, 0 by default: run 5 of the load benchmark drafted 3 times
-in 260 steps at concurrency 2 without one, too rarely to matter). So at a batch size where
+then). The best K wins; K = 0 (no speculation) is always a candidate, and a K > 0 must beat it by
+:data:`SPECULATION_MARGIN` (5%). The plan is per step and the model's inputs are estimates (a table
+measured at a short context, acceptance learned mostly from steps that chose to draft); near
+break-even the estimates flip from step to step, and a row that drafts once after a pause first
+feeds its proposer everything it missed (the draft model's prefill of the whole prompt, up to a
+second here), a cost the per-step model does not see. In the paired load run at concurrency 2
+(``docs/results/issue7-serve-paired``) 19 such one-token drafts cost 4% of throughput. So at a batch size where
 ``t_target(B, K + 1)`` is well above ``t_target(B, 1)`` nobody drafts, and a sequence with a low
 ``alpha_i`` stops drafting first.
 """
@@ -64,7 +68,7 @@ PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
 INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
 DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
-SPECULATION_MARGIN = 0.0  # a plan that drafts must be expected to beat plain decoding by this fraction
+SPECULATION_MARGIN = 0.05  # a plan that drafts must be expected to beat plain decoding by this fraction
 TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row per pass observed
 
 
