@@ -160,6 +160,10 @@ def test_plan_speculation_follows_the_costs() -> None:
     assert plan_speculation([0.2], [1], [0.1], flat) == [1]  # the default margin, 5%, lets +9% through
     assert plan_speculation([0.1], [1], [0.05], flat) == [0]  # +4.8% is not enough
     assert plan_speculation([0.1], [1], [0.05], flat, margin=0.0) == [1]
+    # A one-off catch-up cost charged to a row that drafts at all: the good row then waits.
+    assert plan_speculation([0.9], [4], [0.05], flat) == [4]
+    assert plan_speculation([0.9], [4], [0.05], flat, setup_costs=[5.0]) == [0]
+    assert plan_speculation([0.9, 0.9], [4, 4], [0.05, 0.05], flat, setup_costs=[5.0, 0.0]) == [0, 4]
 
 
 def test_acceptance_estimate_uses_prior_and_forgets() -> None:
@@ -188,6 +192,11 @@ def test_cost_model_interpolates_and_learns_draft_cost() -> None:
     assert cost.draft_time("draft_model") == pytest.approx(0.1)
     assert monotone([[2.0, 1.0], [1.0, 3.0]]) == [[1.0, 1.0], [1.0, 3.0]]  # the faster sample wins
     assert monotone([[5.0, 1.0, 2.0], [1.0, 1.5, 4.0]]) == [[1.0, 1.0, 2.0], [1.0, 1.5, 4.0]]
+    assert cost.catchup_time("draft_model") == pytest.approx(0.05 * 0.1)  # the prior: 5% of c_p
+    cost.observe_catchup("draft_model", 2.2, 2, 100)  # 2 drafted (0.2 s), 2 s for 100 context tokens
+    assert cost.catchup_time("draft_model") == pytest.approx(0.02)
+    cost.observe_catchup("draft_model", 1.0, 1, 0)  # nothing to catch up: no information
+    assert cost.catchup_time("draft_model") == pytest.approx(0.02)
     cost.observe_target(4, 5, 16.0)  # 16 s where the table says 6: the row's factor moves 10% of the way
     factor = 0.9 + 0.1 * 16.0 / 6.0
     assert cost.target_time(4, 5) == pytest.approx(6.0 * factor)

@@ -181,15 +181,19 @@ def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monk
     call (the draft model prefills the prompt) nor with one after steps without a draft."""
     cost = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]], {"draft_model": 0.01})
     observed: list[int] = []
+    behind: list[int] = []
     scheduler = make(models, tiny_tokenizer, cost=cost, speculation="on")
     monkeypatch.setattr(scheduler.cost, "observe_draft", lambda name, seconds, tokens: observed.append(tokens))
+    monkeypatch.setattr(scheduler.cost, "observe_catchup", lambda name, seconds, tokens, n: behind.append(n))
     client = Client(prompts(tiny_tokenizer)[0], 30, ignore_eos=True)
     scheduler.submit(client.req)
     run(scheduler)
     drafts = client.final.summary["speculative"]["drafts"]
     assert drafts >= 3 and len(observed) == drafts - 1  # every call but the first
+    assert behind == [len(client.req.prompt_ids) + 1]  # the first: the prompt and the prefill's token
     s = scheduler  # a gap: a row that drafts, skips two steps, then drafts again is not sampled then
     observed.clear()
+    behind.clear()
     client = Client(prompts(tiny_tokenizer)[1], 30, ignore_eos=True)
     s.submit(client.req)
     s.run_once()  # prefill
@@ -198,6 +202,7 @@ def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monk
     run(s)
     drafts = client.final.summary["speculative"]["drafts"]
     assert drafts >= 3 and len(observed) == drafts - 2  # not the first call, not the one after the gap
+    assert len(behind) == 2 and behind[1] > 3 + 1  # after the gap: more than one step's tokens
 
 
 def test_sampled_output_does_not_depend_on_the_batch(models, tiny_tokenizer) -> None:

@@ -68,6 +68,7 @@ PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
 INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
 DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
+CATCHUP_PRIOR = 0.05  # catch-up seconds per context token, as a fraction of c_p, before measured
 SPECULATION_MARGIN = 0.05  # a plan that drafts must be expected to beat plain decoding by this fraction
 TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row per pass observed
 
@@ -98,6 +99,7 @@ class CostModel:
     target_s: list[list[float]]
     draft_s_per_token: dict[str, float] = field(default_factory=dict)
     scale: list[float] = field(default_factory=list)
+    catchup_s_per_token: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.scale = list(self.scale) or [1.0] * len(self.batch_sizes)
@@ -121,6 +123,21 @@ class CostModel:
         old = self.draft_s_per_token.get(proposer)
         new = seconds / tokens
         self.draft_s_per_token[proposer] = new if old is None else DRAFT_COST_EMA * old + (1 - DRAFT_COST_EMA) * new
+
+    def catchup_time(self, proposer: str) -> float:
+        """Seconds per context token a proposer takes to catch up before it drafts (the draft
+        model's prefill of what it has not seen); before any is measured, :data:`CATCHUP_PRIOR` x
+        ``c_p``."""
+        return self.catchup_s_per_token.get(proposer, CATCHUP_PRIOR * self.draft_time(proposer))
+
+    def observe_catchup(self, proposer: str, seconds: float, drafted: int, behind: int) -> None:
+        """Refine :meth:`catchup_time` with a call that first fed the proposer ``behind`` context
+        tokens, then drafted ``drafted`` tokens in ``seconds`` (exponential moving average)."""
+        if behind <= 0:
+            return
+        new = max(0.0, seconds - drafted * self.draft_time(proposer)) / behind
+        old = self.catchup_s_per_token.get(proposer)
+        self.catchup_s_per_token[proposer] = new if old is None else DRAFT_COST_EMA * old + (1 - DRAFT_COST_EMA) * new
 
     def observe_target(self, batch: int, tokens: int, seconds: float) -> None:
         """Refine the level of ``t_target(batch, .)`` with one pass measured while serving.
@@ -148,6 +165,7 @@ class CostModel:
             "target_s": self.target_s,
             "scale": self.scale,
             "draft_s_per_token": dict(self.draft_s_per_token),
+            "catchup_s_per_token": dict(self.catchup_s_per_token),
         }
 
 
@@ -174,6 +192,7 @@ def plan_speculation(
     draft_costs: Sequence[float],
     target_time: Callable[[int, int], float],
     margin: float = SPECULATION_MARGIN,
+    setup_costs: Sequence[float] | None = None,
 ) -> list[int]:
     """Tokens to draft per row this step, maximising expected tokens per second (module docstring).
 
@@ -183,6 +202,8 @@ def plan_speculation(
         draft_costs: per row, seconds per drafted token of its proposer.
         target_time: ``t_target(B, T)`` in seconds.
         margin: a plan that drafts must beat plain decoding's expected rate by this fraction.
+        setup_costs: per row, seconds charged on top of ``k_i c_i`` when the row drafts at all
+            (its proposer's catch-up, amortised by the caller); None: 0.
 
     Returns:
         per row, k_i in ``0 .. max_ks[i]``.
@@ -192,7 +213,8 @@ def plan_speculation(
     for K in range(1, max(max_ks, default=0) + 1):
         ks = [min(K, m) for m in max_ks]
         gains = [expected_tokens(a, k) - 1.0 for a, k in zip(alphas, ks, strict=True)]
-        costs = [k * c for k, c in zip(ks, draft_costs, strict=True)]
+        setups = setup_costs or [0.0] * B
+        costs = [k * c + (u if k else 0.0) for k, c, u in zip(ks, draft_costs, setups, strict=True)]
         order = sorted(
             (i for i in range(B) if ks[i] > 0 and gains[i] > 0),
             key=lambda i: gains[i] / costs[i] if costs[i] > 0 else float("inf"),

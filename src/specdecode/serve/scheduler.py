@@ -55,6 +55,7 @@ from specdecode.serve.cost import (
     AcceptanceEstimate,
     CostModel,
     default_batch_grid,
+    expected_tokens,
     measure_draft_cost,
     measure_target_costs,
     plan_speculation,
@@ -186,6 +187,14 @@ class _Sequence:
         self.error: str | None = None
         self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
         self.drafted_at: int | None = None  # context length at the proposer's last call
+
+    def behind(self) -> int:
+        """Context tokens the proposer has to catch up on before drafting: 0 right after its
+        previous draft (it sees at most the k + 1 tokens one step adds), else all since its last
+        call (the whole context before its first)."""
+        if self.drafted_at is not None and self.T - self.drafted_at <= self.req.max_k + 1:
+            return 0
+        return self.T - (self.drafted_at or 0)
 
     def room(self) -> int:
         """The most tokens it may draft this step (the engine's rule: leave room for the bonus token)."""
@@ -564,7 +573,14 @@ class Scheduler:
         priors = [self._prior.get(n, INITIAL_ACCEPTANCE) for n in names]
         alphas = [s.estimate.rate(p) for s, p in zip(self.active, priors, strict=True)]
         costs = [self.cost.draft_time(n) for n in names]
-        ks = plan_speculation(alphas, max_ks, costs, self.cost.target_time)
+        # A row whose proposer is behind (never drafted, or paused) first catches up: a one-off cost,
+        # charged spread over the drafting steps the row has left (its remaining tokens / E).
+        setups = []
+        for s, n, a, m in zip(self.active, names, alphas, max_ks, strict=True):
+            behind = s.behind()
+            left = max(1.0, (s.limit - len(s.generated)) / expected_tokens(a, max(1, m)))
+            setups.append(self.cost.catchup_time(n) * behind / left if behind else 0.0)
+        ks = plan_speculation(alphas, max_ks, costs, self.cost.target_time, setup_costs=setups)
         for s, k, m in zip(self.active, ks, max_ks, strict=True):
             if k == 0 and m > 0:
                 s.estimate.observe(0, 0)  # not drafting: forget a little, drift back to the prior
@@ -642,10 +658,13 @@ class Scheduler:
         # c_p is the steady cost per drafted token: a call that first caught up with more context
         # than one step adds (the proposer's prompt prefill on its first call, or the tokens of the
         # steps it did not draft) is not a sample of it.
-        steady = s.drafted_at is not None and s.T - s.drafted_at <= s.req.max_k + 1
+        behind = s.behind()
         s.drafted_at = s.T
-        if self.cost is not None and s.req.proposer is not None and steady:
-            self.cost.observe_draft(s.req.proposer, seconds, len(draft))
+        if self.cost is not None and s.req.proposer is not None:
+            if behind:
+                self.cost.observe_catchup(s.req.proposer, seconds, len(draft), behind)
+            else:
+                self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
 
     def _emit(self, s: _Sequence, tokens: list[int]) -> None:
