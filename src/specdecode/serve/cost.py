@@ -34,18 +34,24 @@ The model (all times in seconds, measured on this machine):
 Per step, choose ``k_i`` in ``0 .. kmax_i`` (the request's ``num_speculative_tokens``, cut to the
 tokens it may still produce) to maximise the batch's goodput, expected tokens per second::
 
-    R(k) = sum_i E(alpha_i, k_i) / (t_target(B, 1 + max_i k_i) + sum_i k_i * c_{p_i})
+    R(k) = sum_i E(alpha_i, k_i) / (t_target(B, 1 + max_i k_i) + sum_i [k_i > 0] (k_i * c_{p_i} + u_i))
+
+where ``u_i`` is row i's catch-up charge: a proposer that did not draft at the previous step (or
+ever) must first be fed the context it missed (the draft model prefills the whole prompt on its
+first call), a one-off cost of ``behind_i`` tokens x the proposer's catch-up seconds per token
+(:meth:`CostModel.catchup_time`), spread over the drafting steps the row has left (its remaining
+tokens / ``E(alpha_i, kmax_i)``); 0 right after a draft.
 
 Search (:func:`plan_speculation`): for every K in 0 .. max kmax_i, rows draft ``min(K, kmax_i)``
 or nothing; a row joins the drafting set, in order of its gain per second of draft time, while its
 gain per draft second ``(E_i - 1) / (k_i c_i)`` beats the current ``R`` (adding it raises R exactly
 then). The best K wins; K = 0 (no speculation) is always a candidate, and a K > 0 must beat it by
-:data:`SPECULATION_MARGIN` (5%). The plan is per step and the model's inputs are estimates (a table
-measured at a short context, acceptance learned mostly from steps that chose to draft); near
-break-even the estimates flip from step to step, and a row that drafts once after a pause first
-feeds its proposer everything it missed (the draft model's prefill of the whole prompt, up to a
-second here), a cost the per-step model does not see. In the paired load run at concurrency 2
-(``docs/results/issue7-serve-paired``) 19 such one-token drafts cost 4% of throughput. So at a batch size where
+:data:`SPECULATION_MARGIN` (5%): the model's inputs are estimates (a table measured at a short
+context, acceptance learned mostly from steps that chose to draft), and near break-even they flip
+from step to step. The catch-up charge ``u_i`` matters more: without it, in a paired load run at
+concurrency 2 (``docs/results/issue7-serve-paired*``), a request running alone for its last tokens
+drafted one token and paid its draft's prompt prefill (about a second) for it, 17-19 times per
+run (adaptive / off 0.95); with it, 1.01. So at a batch size where
 ``t_target(B, K + 1)`` is well above ``t_target(B, 1)`` nobody drafts, and a sequence with a low
 ``alpha_i`` stops drafting first.
 """
