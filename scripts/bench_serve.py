@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import socket
@@ -81,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-baseline", action="store_true", help="also time one-at-a-time engine decoding")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server")
     p.add_argument("--out", help="output folder (default bench-results/serve-<timestamp>)")
+    p.add_argument("--report", metavar="RESULTS_JSON", help="re-render report.md next to a saved results.json and exit")
     return p.parse_args(argv)
 
 
@@ -310,6 +312,16 @@ def engine_baseline(args: argparse.Namespace, chats: list[str]) -> dict[str, Any
     }
 
 
+def paired_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-round ratios and its interval of ±2 standard errors of the mean log
+    ratio (about 95% for roughly normal log ratios): rounds alternate the modes, so each round's
+    ratio compares two measurements taken minutes apart and the machine's drift cancels in it."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - 2 * se), math.exp(mean + 2 * se)
+
+
 def report(results: dict[str, Any]) -> str:
     modes = list(results["modes"])
     lines = [
@@ -355,6 +367,9 @@ def report(results: dict[str, Any]) -> str:
                 by_mode = dict(zip(modes, values, strict=True))
                 ratios.append(by_mode["adaptive"] / (max(by_mode.get("on", 0.0), by_mode.get("off", 0.0)) or 1.0))
             per_round = ", ".join(f"{x:.2f}" for x in ratios)
+            if len(ratios) > 1:
+                mean, low, high = paired_interval(ratios)
+                per_round += f" (geometric mean {mean:.3f}, ±2 s.e. {low:.3f}–{high:.3f})"
         lines.append(f"| {c} | {cells} | {ratio} | {per_round} |")
     if "engine" in results:
         eng = results["engine"]
@@ -375,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     args = parse_args(argv)
+    if args.report:
+        saved = Path(args.report)
+        text = report(json.loads(saved.read_text()))
+        (saved.parent / "report.md").write_text(text)
+        print(text)
+        return 0
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
     out = Path(args.out or f"bench-results/serve-{datetime.now():%Y%m%d-%H%M%S}")

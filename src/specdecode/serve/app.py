@@ -246,8 +246,9 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             raise bad_request(str(error).replace("max_new_tokens", "max_tokens")) from None
         proposer = body.proposer or settings.proposer
         speculative = body.speculative is not False and body.speculation != "off" and proposer is not None
-        if (body.speculative or body.speculation in ("on", "adaptive")) and proposer is None:
-            raise bad_request("speculative: this server has no proposer; give one in 'proposer'", "speculative")
+        if proposer is None and (body.speculative or body.speculation in ("on", "adaptive")):
+            field = "speculative" if body.speculative else "speculation"
+            raise bad_request(f"{field}: this server has no proposer; give one in 'proposer'", field)
         if speculative:
             assert proposer is not None
             try:
@@ -256,7 +257,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
         prefix = "chatcmpl-" if endpoint.endswith("chat/completions") else "cmpl-"
-        return ServeRequest(
+        req = ServeRequest(
             request_id=prefix + uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -279,12 +280,13 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
                 "proposer": proposer if speculative else None,
                 "num_speculative_tokens": body.num_speculative_tokens or settings.num_speculative_tokens,
                 "speculation_requested": body.speculation,
-                "speculation_mode": (body.speculation or settings.speculation) if speculative else "off",
                 "ignore_eos": bool(body.ignore_eos),
             },
             audit_prompt=prompt,
             ignore_eos=bool(body.ignore_eos),
         )
+        req.audit_settings["speculation_mode"] = scheduler.mode(req)  # the mode it decodes with
+        return req
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

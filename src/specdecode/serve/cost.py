@@ -69,6 +69,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine import needs_features
 from specdecode.sampling import SamplingParams
+from specdecode.schedule import expected_tokens  # E(alpha, k), Leviathan et al. 2023, eq. 1
 
 PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
@@ -77,16 +78,6 @@ DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
 CATCHUP_PRIOR = 0.05  # catch-up seconds per context token, as a fraction of c_p, before measured
 SPECULATION_MARGIN = 0.05  # a plan that drafts must be expected to beat plain decoding by this fraction
 TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row per pass observed
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """``E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)``: expected tokens of one step that drafts k
-    tokens with i.i.d. acceptance ``alpha`` in [0, 1] (``k + 1`` when alpha = 1)."""
-    if k <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from specdecode.engine import eos_token_ids, needs_features
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
+from specdecode.schedule import expected_tokens
 from specdecode.serve.audit import AuditLog, iso
 from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.config import ServeSettings
@@ -55,7 +56,6 @@ from specdecode.serve.cost import (
     AcceptanceEstimate,
     CostModel,
     default_batch_grid,
-    expected_tokens,
     measure_draft_cost,
     measure_target_costs,
     plan_speculation,
@@ -568,7 +568,7 @@ class Scheduler:
         if "adaptive" not in modes or self.cost is None:  # no cost model yet: adaptive drafts as on
             return [0 if mode == "off" else m for m, mode in zip(max_ks, modes, strict=True)]
         # Rows of requests that asked for "on" draft their k whatever the plan says; the plan is
-        # made over every row (their k is at most what the plan costs them anyway).
+        # still made over every row, so with such rows in the batch it misprices the others a little.
         names = [s.req.proposer or "" for s in self.active]
         priors = [self._prior.get(n, INITIAL_ACCEPTANCE) for n in names]
         alphas = [s.estimate.rate(p) for s, p in zip(self.active, priors, strict=True)]
