@@ -103,6 +103,13 @@ def small(long_target, tiny_tokenizer):
         yield s
 
 
+@pytest.fixture(scope="module")
+def plain(models, tiny_tokenizer):
+    """No draft and no default proposer: the target alone unless a request names a proposer."""
+    with Server(models[0], tiny_tokenizer, proposer=None, speculation="on", max_batch_size=2) as s:
+        yield s
+
+
 def greedy_reference(target, tokenizer, prompt_ids: list[int], n: int) -> list[int]:
     out = target_only_greedy(target, prompt_ids, n)
     eos = tokenizer.eos_token_id
@@ -252,6 +259,26 @@ def test_per_request_speculation_mode_on_an_adaptive_server(adaptive, models, ti
             assert spec["drafts"] == spec["target_forward_passes"] - 1  # drafted every step after the prefill
         if mode == "off":
             assert spec["draft_tokens"] == 0
+
+
+def test_a_server_without_a_proposer(plain, models, tiny_tokenizer) -> None:
+    ids = tiny_tokenizer.encode(PROMPTS[3])
+    want = greedy_reference(models[0], tiny_tokenizer, ids, 8)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    out = httpx.post(plain.url + "/v1/completions", json=body).json()
+    assert out["choices"][0]["token_ids"] == want
+    assert out["speculative"]["enabled"] is False and out["speculative"]["mode"] == "off"
+    for ask, field in (({"speculative": True}, "speculative"), ({"speculation": "on"}, "speculation")):
+        r = httpx.post(plain.url + "/v1/completions", json={**body, **ask})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and "no proposer" in error["message"], error
+    r = httpx.post(plain.url + "/v1/completions", json={**body, "proposer": "draft_model"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "proposer"  # needs a draft: none loaded
+    named = httpx.post(plain.url + "/v1/completions", json={**body, "proposer": "prompt_lookup"}).json()
+    assert named["choices"][0]["token_ids"] == want  # a proposer without a model still works
+    assert named["speculative"]["enabled"] is True and named["speculative"]["proposer"] == "prompt_lookup"
+    assert httpx.post(plain.url + "/v1/completions", json=body).json()["choices"][0]["token_ids"] == want
 
 
 # ---------------------------------------------------------------------------------- robustness

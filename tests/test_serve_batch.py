@@ -14,6 +14,7 @@ from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.cost import (
     AcceptanceEstimate,
     CostModel,
+    acceptance_trials,
     default_batch_grid,
     expected_tokens,
     measure_target_costs,
@@ -176,6 +177,22 @@ def test_acceptance_estimate_uses_prior_and_forgets() -> None:
     for _ in range(60):
         est.observe(0, 0)  # not drafting: drifts back to the prior
     assert est.rate(prior=0.6) > 0.5 > low
+
+
+def test_acceptance_estimate_is_per_position() -> None:
+    """alpha in E(alpha, k) is the probability that each next drafted token is accepted: a step
+    accepting 2 of 4 tried 3 positions (the 4th was never tried), so the estimate tends to 2/3,
+    not accepted / drafted = 1/2."""
+    assert acceptance_trials(4, 2) == 3 and acceptance_trials(4, 4) == 4 and acceptance_trials(4, 0) == 1
+    assert acceptance_trials(0, 0) == 0
+    est = AcceptanceEstimate()
+    for _ in range(100):
+        est.observe(4, 2)
+    assert est.rate(prior=0.6) == pytest.approx((20 + 4 * 0.6) / (30 + 4), rel=1e-3)  # steady state: 2/3 pulled to 0.6
+    full = AcceptanceEstimate()
+    for _ in range(100):
+        full.observe(4, 4)
+    assert full.rate(prior=0.6) > 0.95
 
 
 def test_cost_model_interpolates_and_learns_draft_cost() -> None:

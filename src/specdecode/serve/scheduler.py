@@ -55,6 +55,7 @@ from specdecode.serve.cost import (
     INITIAL_ACCEPTANCE,
     AcceptanceEstimate,
     CostModel,
+    acceptance_trials,
     default_batch_grid,
     measure_draft_cost,
     measure_target_costs,
@@ -67,7 +68,7 @@ from specdecode.verify import verify
 
 log = logging.getLogger("specdecode.serve")
 
-PRIOR_RATE = 0.01  # per drafted token, how fast a proposer's running acceptance rate moves
+PRIOR_RATE = 0.01  # per position tried, how fast a proposer's running acceptance estimate moves
 MAX_PREFILL_TOKENS = 4096  # padded tokens of one batched prefill pass (a longer prompt goes alone)
 # Padded / real tokens of one batched prefill pass at most: prompts are right-padded to the longest,
 # and padding is computed, so prompts of very different lengths are prefilled in separate passes.
@@ -621,7 +622,8 @@ class Scheduler:
                 s.estimate.observe(len(draft), n)
                 name = s.req.proposer or ""
                 prior = self._prior.get(name, INITIAL_ACCEPTANCE)
-                self._prior[name] = min(1.0, max(0.0, prior + PRIOR_RATE * (n - len(draft) * prior)))
+                trials = acceptance_trials(len(draft), n)  # per-position, as AcceptanceEstimate
+                self._prior[name] = min(1.0, max(0.0, prior + PRIOR_RATE * (n - trials * prior)))
                 self.metrics.speculating_rows.inc()
                 self.metrics.observe_verification(len(draft), n)
             self._emit(s, result.tokens.tolist())  # 5. emit, stop
