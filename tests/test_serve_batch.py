@@ -173,7 +173,8 @@ def test_acceptance_estimate_uses_prior_and_forgets() -> None:
     for _ in range(20):
         est.observe(4, 0)
     low = est.rate(prior=0.6)
-    assert low < 0.1
+    trials = sum(0.9**i for i in range(20))  # a step rejecting its first token tried one position
+    assert low == pytest.approx(4 * 0.6 / (trials + 4)) and low < 0.2
     for _ in range(60):
         est.observe(0, 0)  # not drafting: drifts back to the prior
     assert est.rate(prior=0.6) > 0.5 > low
