@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specdecode.models.runner import ModelRunner
+from specdecode.schedule import acceptance_trials
 from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.cost import (
     AcceptanceEstimate,
     CostModel,
-    acceptance_trials,
     default_batch_grid,
     expected_tokens,
     measure_target_costs,

@@ -86,6 +86,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def acceptance_trials(drafted: int, accepted: int) -> int:
+    """Positions a chain draft tried, for estimating the per-position ``alpha`` of
+    :func:`expected_tokens`: all ``drafted`` when every one was accepted, else ``accepted + 1`` (the
+    first rejection ends the chain; the positions after it were never tried)."""
+    return drafted if accepted >= drafted else accepted + 1
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Options of :class:`SpeculationSchedule` (the ``adaptive`` ones: see the module docstring).
@@ -338,8 +345,7 @@ class SpeculationSchedule:
             return
         if self._t1 is None:  # (the engine's first adaptive step is plain; a caller's may not be)
             self._t1 = target_s
-        # acceptance: `accepted` successes in min(accepted + 1, drafted) trials
-        trials = drafted if accepted == drafted else accepted + 1
+        trials = acceptance_trials(drafted, accepted)  # `accepted` successes in min(accepted + 1, drafted) trials
         keep = config.acceptance_decay**trials
         self._accepted = keep * self._accepted + accepted
         self._trials = keep * self._trials + trials

@@ -75,9 +75,9 @@ from transformers import PreTrainedModel
 
 from specdecode.engine import needs_features
 from specdecode.sampling import SamplingParams
-from specdecode.schedule import expected_tokens  # E(alpha, k), Leviathan et al. 2023, eq. 1
+from specdecode.schedule import acceptance_trials, expected_tokens  # E(alpha, k): Leviathan et al. 2023, eq. 1
 
-PRIOR_WEIGHT = 4.0  # tokens of prior evidence behind alpha_p
+PRIOR_WEIGHT = 4.0  # trials (positions tried) of prior evidence behind alpha_p
 DECAY = 0.9  # per step, weight of a sequence's older acceptance counts
 INITIAL_ACCEPTANCE = 0.6  # alpha_p before the server has seen any draft of proposer p
 DRAFT_COST_EMA = 0.9  # weight of the old draft cost estimate per observation
@@ -172,12 +172,6 @@ class CostModel:
         }
 
 
-def acceptance_trials(drafted: int, accepted: int) -> int:
-    """Positions a step tried: all ``drafted`` when every one was accepted, else ``accepted + 1``
-    (the first rejected one ends the chain; the positions after it were never tried)."""
-    return drafted if accepted >= drafted else accepted + 1
-
-
 @dataclass
 class AcceptanceEstimate:
     """A sequence's recent per-position acceptance counts, decayed per step (see the module docstring)."""
@@ -220,10 +214,10 @@ def plan_speculation(
     """
     B = len(alphas)
     best_rate, best = (1.0 + margin) * B / target_time(B, 1), [0] * B
+    setups = setup_costs or [0.0] * B
     for K in range(1, max(max_ks, default=0) + 1):
         ks = [min(K, m) for m in max_ks]
         gains = [expected_tokens(a, k) - 1.0 for a, k in zip(alphas, ks, strict=True)]
-        setups = setup_costs or [0.0] * B
         costs = [k * c + (u if k else 0.0) for k, c, u in zip(ks, draft_costs, setups, strict=True)]
         order = sorted(
             (i for i in range(B) if ks[i] > 0 and gains[i] > 0),

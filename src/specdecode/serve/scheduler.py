@@ -47,7 +47,7 @@ from specdecode.engine import eos_token_ids, needs_features
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
-from specdecode.schedule import expected_tokens
+from specdecode.schedule import acceptance_trials, expected_tokens
 from specdecode.serve.audit import AuditLog, iso
 from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.config import ServeSettings
@@ -55,7 +55,6 @@ from specdecode.serve.cost import (
     INITIAL_ACCEPTANCE,
     AcceptanceEstimate,
     CostModel,
-    acceptance_trials,
     default_batch_grid,
     measure_draft_cost,
     measure_target_costs,
