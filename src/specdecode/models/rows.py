@@ -1,0 +1,58 @@
+"""Run one-row linear layers as two-row ones, where that is faster (CPU bf16 decoding).
+
+Decoding one token runs every ``nn.Linear`` of the model on a single row, a matrix-vector product.
+On some CPUs PyTorch's one-row bf16 kernel is slower than its two-row matrix product (measured by
+``scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
+faster. Row 0 of the two-row product is the same dot products as the one-row product, possibly
+summed in another order, so the result may differ in the last bits, as any change of kernel does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+_FLAG = "_specdecode_padded_row"
+
+
+def _pad(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.numel() != x.shape[-1]:
+        return None  # not exactly one row: unchanged
+    setattr(module, _FLAG, True)
+    return (torch.cat([x, x], dim=-2), *args[1:])  # [..., 2, in]
+
+
+def _unpad(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+    if not getattr(module, _FLAG, False):
+        return None
+    setattr(module, _FLAG, False)
+    return output[..., :1, :]  # [..., 1, out]
+
+
+@contextmanager
+def pad_single_rows(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Within the block, every ``nn.Linear`` of ``model`` called on exactly one row (input
+    ``[..., 1, in]`` with one row in all) computes it as two equal rows and returns the first.
+
+    Inputs of other shapes pass unchanged. Hooks are removed on exit, also after an error.
+
+    Yields:
+        ``model`` itself.
+    """
+    handles = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(_pad))
+            handles.append(module.register_forward_hook(_unpad))
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in model.modules():
+            if hasattr(module, _FLAG):
+                delattr(module, _FLAG)
