@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         results["engine"] = engine_baseline(args, chats[: counts[levels[0]]])
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(report(results))
+    (out / "partial.json").unlink(missing_ok=True)  # results.json holds all of it now
     print(report(results))
     print(f"written: {out / 'results.json'}, {out / 'report.md'}")
     return 0
