@@ -14,17 +14,23 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.cli import main
+from specdecode.errors import MissingDependencyError
 from specdecode.models.loading import load_tokenizer
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers import get_spec
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.token_map import (
     DEFAULT_TOKEN_MAP,
+    WORD_FORMS,
     build_token_map,
+    corpus_counts,
     count_tokens,
     load_token_map,
+    mix_counts,
     save_token_map,
     special_token_ids,
+    token_map_from_counts,
+    word_list_counts,
 )
 from specdecode.sampling import logits_to_probs
 
@@ -112,11 +118,14 @@ def test_load_rejects_bad_files(tmp_path) -> None:
 
 
 def test_the_shipped_default_map() -> None:
-    assert DEFAULT_TOKEN_MAP.stat().st_size < 200_000
+    assert DEFAULT_TOKEN_MAP.stat().st_size < 300_000
     ids = load_token_map("default")
-    assert ids.shape == (32_768,) and ids.unique().numel() == 32_768
+    assert ids.shape == (65_536,) and ids.unique().numel() == 65_536
     assert int(ids.max()) < 151_936  # the Qwen2.5 vocabulary
     assert {151_643, 151_645} <= set(ids[:22].tolist())  # <|endoftext|>, <|im_end|> (EOS) come first
+    # code and everyday English both within the first 32,768 (the code-only map of the first release
+    # left out the words): " def", " self", " played", " actress", " vehicle", " film", " Clinton"
+    assert {707, 656, 6342, 23654, 7310, 4531, 8120} <= set(ids[:32_768].tolist())
 
 
 # ---------------------------------------------------------------- the reduced head
@@ -381,10 +390,97 @@ def test_build_token_map_command(model_dirs, tmp_path, capsys) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["files"] == 4 and summary["characters"] == sum(len(t) for t in CORPUS[:4])
     texts, tokenizer = CORPUS[:4], load_tokenizer(target)  # as saved with the model (may split differently)
-    assert summary["tokens"] == sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    assert summary["file_tokens"] == sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
     assert 0 < summary["coverage"]["40"] <= 1
     assert load_token_map(out).tolist() == build_token_map(tokenizer, texts, 40).tolist()
     assert main([*args[:-1], str(tmp_path / "missing")]) == 2
     assert "corpus" in capsys.readouterr().err
     assert main([*args[:3], "--size", "100000", "--out", str(out), "--corpus", str(corpus)]) == 2
     assert "size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- word-frequency lists
+def test_word_list_counts_weigh_each_form_by_frequency(tiny_tokenizer) -> None:
+    import wordfreq
+
+    words = wordfreq.top_n_list("en", 30)
+    counts = word_list_counts(tiny_tokenizer, "en", 30)
+    expected = np.zeros(len(tiny_tokenizer))
+    total = 0.0
+    for word in words:
+        f = wordfreq.word_frequency(word, "en")
+        total += f
+        for prefix, capitalise, share in WORD_FORMS:
+            text = prefix + (word[:1].upper() + word[1:] if capitalise else word)
+            for i in tiny_tokenizer.encode(text, add_special_tokens=False):
+                expected[i] += f * share
+    np.testing.assert_allclose(counts, expected / total, rtol=1e-9)
+    assert counts.shape == (len(tiny_tokenizer),) and counts.sum() >= 1.0  # tokens per word occurrence
+    the = tiny_tokenizer.encode(" the", add_special_tokens=False)
+    assert all(counts[i] > 0 for i in the)
+    with pytest.raises(ValueError, match="no wordfreq list for language 'xx'"):
+        word_list_counts(tiny_tokenizer, "xx")
+    with pytest.raises(ValueError, match="words"):
+        word_list_counts(tiny_tokenizer, "en", 0)
+
+
+def test_word_lists_need_wordfreq(tiny_tokenizer, monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "wordfreq", None)  # import wordfreq now fails
+    with pytest.raises(MissingDependencyError, match=r"pip install 'specdecode\[tokenmap\]'"):
+        word_list_counts(tiny_tokenizer, "en")
+
+
+def test_mix_counts_gives_each_part_its_weight() -> None:
+    a = np.array([6, 2, 0, 0])  # int counts
+    b = np.array([0.0, 0.5, 0.5, 0.0])
+    np.testing.assert_allclose(mix_counts([(a, 0.75), (b, 0.25)]), [0.5625, 0.3125, 0.125, 0.0])
+    np.testing.assert_allclose(mix_counts([(a, 0.5), (np.zeros(4), 0.5)]), a / 8)  # empty part: left out
+    np.testing.assert_allclose(mix_counts([(np.zeros(4), 1.0)]), np.zeros(4))
+    for parts, message in [([], "at least one"), ([(a, 0.0)], "weights"), ([(a, 1.0), (np.zeros(3), 1.0)], "sizes")]:
+        with pytest.raises(ValueError, match=message):
+            mix_counts(parts)
+
+
+def test_corpus_counts_mix_files_and_word_lists(tiny_tokenizer, tmp_path) -> None:
+    (tmp_path / "a.py").write_text(CORPUS[0])
+    files_only, summary = corpus_counts(tiny_tokenizer, [str(tmp_path)])
+    file_counts = count_tokens(tiny_tokenizer, [CORPUS[0]])
+    np.testing.assert_allclose(files_only, file_counts / file_counts.sum())
+    assert summary["files"] == 1 and summary["word_lists"] == {} and summary["word_list_weight"] is None
+    mixed, summary = corpus_counts(tiny_tokenizer, [str(tmp_path), "wordfreq-en"], word_list_weight=0.25, words=50)
+    words = word_list_counts(tiny_tokenizer, "en", 50)
+    np.testing.assert_allclose(mixed, 0.75 * file_counts / file_counts.sum() + 0.25 * words / words.sum())
+    assert summary["word_lists"] == {"en": 50} and summary["word_list_weight"] == 0.25
+    lists_only, _ = corpus_counts(tiny_tokenizer, ["wordfreq-en", "wordfreq-de"], words=50)
+    german = word_list_counts(tiny_tokenizer, "de", 50)
+    np.testing.assert_allclose(lists_only, 0.5 * words / words.sum() + 0.5 * german / german.sum())
+    for sources, weight, message in [
+        ([], 0.5, "--corpus is empty"),
+        (["wordfreq-"], 0.5, "needs a language"),
+        (["wordfreq-en"], 1.0, "--word-list-weight"),
+        (["wordfreq-en"], 0.0, "--word-list-weight"),
+        (["no-such-corpus"], 0.5, "corpus"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            corpus_counts(tiny_tokenizer, sources, weight)
+
+
+def test_build_token_map_command_with_a_word_list(model_dirs, tmp_path, capsys) -> None:
+    """A word list moves everyday words into the map that a code corpus alone leaves out."""
+    target, _ = model_dirs
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "f.py").write_text(CORPUS[0])
+    tokenizer = load_tokenizer(target)
+    out = tmp_path / "m.npy"
+    args = ["build-token-map", "--target", str(target), "--size", "60", "--out", str(out), "--words", "200"]
+    assert main([*args, "--corpus", f"{corpus},wordfreq-en", "--word-list-weight", "0.5"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["word_lists"] == {"en": 200} and summary["word_list_weight"] == 0.5
+    counts, _ = corpus_counts(tokenizer, [str(corpus), "wordfreq-en"], 0.5, 200)
+    expected = token_map_from_counts(counts, 60, special_token_ids(tokenizer))
+    assert load_token_map(out).tolist() == expected.tolist()
+    code_only = build_token_map(tokenizer, [CORPUS[0]], 60).tolist()
+    assert load_token_map(out).tolist() != code_only
+    assert main([*args, "--corpus", str(corpus), "--word-list-weight", "1.5"]) == 2
+    assert "--word-list-weight" in capsys.readouterr().err

@@ -13,3 +13,7 @@ class ModelNotFoundError(SpecDecodeError, FileNotFoundError):
 
 class IncompatibleModelsError(SpecDecodeError, ValueError):
     """Target and draft cannot be paired (e.g. different vocabularies)."""
+
+
+class MissingDependencyError(SpecDecodeError, ImportError):
+    """An optional package a feature needs is not installed; the message gives the pip command."""

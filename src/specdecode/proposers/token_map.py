@@ -13,11 +13,19 @@ vocabularies, a lower id is an earlier, i.e. more frequent, merge).
 
 The corpus ships offline with Python: the standard library's source (``*.py``) and the prose
 packaged in site-packages (``.rst`` / ``.md`` / ``.txt`` documents, ``METADATA``, license texts).
+That corpus is almost all code and technical English: a map counted on it alone misses everyday
+words (" played", " actress", " vehicle"), a quarter of the target's output tokens on prose
+prompts. Word-frequency lists (the ``wordfreq`` package, Speer 2022, from Wikipedia, subtitles,
+news, books and web text; ``pip install 'specdecode[tokenmap]'``) supply everyday language: each
+listed word is tokenized as it appears in running text and counted by its frequency
+(:func:`word_list_counts`), and :func:`mix_counts` weighs the two kinds of corpus.
 Benchmark prompts (Spec-Bench, HumanEval) are never read.
 
 Files: ``.npy`` (int32 on disk, loaded as int64) or ``.pt`` (a ``torch.save``'d 1-D tensor, the
 format of FR-Spec's and SGLang's maps). :data:`DEFAULT_TOKEN_MAP` ships in the package: the
-32,768 most frequent tokens of the Qwen2.5 tokenizer (the default target's) on that corpus.
+65,536 most frequent tokens of the Qwen2.5 tokenizer (the default target's), counted by
+``specdecode build-token-map --size 65536`` with the default corpus (standard library, packaged
+prose and the English word list, half and half); ``draft_vocab_size`` takes its first N.
 """
 
 from __future__ import annotations
@@ -32,8 +40,19 @@ from typing import Any
 import numpy as np
 import torch
 
-DEFAULT_TOKEN_MAP = Path(__file__).resolve().parent.parent / "data" / "token_map_qwen2.5_32768.npy"
+from specdecode.errors import MissingDependencyError
+
+DEFAULT_TOKEN_MAP = Path(__file__).resolve().parent.parent / "data" / "token_map_qwen2.5_65536.npy"
 CORPORA = ("stdlib", "site-packages")
+WORD_LIST_PREFIX = "wordfreq-"  # a corpus source "wordfreq-<language>", e.g. "wordfreq-en"
+DEFAULT_CORPUS = ("stdlib", "site-packages", "wordfreq-en")
+DEFAULT_WORD_LIST_WEIGHT = 0.5
+DEFAULT_WORDS = 100_000
+# How a listed (lower-case) word appears in running text, and the share of its occurrences given to
+# each form: after a space, capitalised after a space (names, titles), capitalised at a line start.
+WORD_FORMS = ((" ", False, 0.7), (" ", True, 0.2), ("", True, 0.1))
+# Languages written without spaces between words: a listed word is counted as it is.
+UNSPACED_LANGUAGES = ("zh", "ja")
 PROSE_SUFFIXES = (".rst", ".md", ".txt")
 PROSE_NAMES = ("METADATA", "LICENSE", "COPYING", "NOTICE", "AUTHORS")
 MAX_PROSE_BYTES = 1 << 20
@@ -94,6 +113,87 @@ def read_texts(paths: Iterable[Path]) -> Iterator[str]:
                 continue
         if text:
             yield text
+
+
+# ---------------------------------------------------------------- word-frequency lists
+def word_list_language(source: str) -> str | None:
+    """The language of a ``"wordfreq-<language>"`` corpus source, or None for any other source."""
+    return source[len(WORD_LIST_PREFIX) :] if source.startswith(WORD_LIST_PREFIX) else None
+
+
+def word_list_counts(tokenizer: Any, language: str, words: int = DEFAULT_WORDS) -> np.ndarray:
+    """Expected token counts of running text in ``language``, from its word-frequency list.
+
+    The ``words`` most frequent words of ``wordfreq.top_n_list(language, words)`` (Speer 2022) are
+    tokenized in each form of :data:`WORD_FORMS` (``" word"``, ``" Word"``, ``"Word"``; as it is in
+    Chinese and Japanese); every token of a form is counted ``word_frequency(word) * share(form)``
+    times. Punctuation and digits are not in the lists (the file corpus supplies them).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (the target's).
+        language: a wordfreq language code, e.g. ``"en"``, ``"de"``, ``"zh"``.
+        words: how many of the most frequent words to count, >= 1.
+
+    Returns:
+        float64 ``[len(tokenizer)]`` counts summing to the mean number of tokens per word occurrence
+        (about 1.2 for English).
+
+    Raises:
+        MissingDependencyError: ``wordfreq`` is not installed (the message gives the pip command).
+        ValueError: ``language`` has no wordfreq list, or ``words`` < 1.
+    """
+    try:
+        import wordfreq
+    except ImportError as error:
+        raise MissingDependencyError(
+            "corpus source 'wordfreq-<language>' needs the wordfreq package: pip install 'specdecode[tokenmap]'"
+        ) from error
+    if not isinstance(words, int) or isinstance(words, bool) or words < 1:
+        raise ValueError(f"words must be an integer >= 1, got {words!r}")
+    languages = sorted(wordfreq.available_languages())
+    if language not in languages:
+        raise ValueError(f"corpus: no wordfreq list for language {language!r}; available: {', '.join(languages)}")
+    listed = wordfreq.top_n_list(language, words)
+    frequency = np.array([wordfreq.word_frequency(w, language) for w in listed], dtype=np.float64)  # (W,)
+    counts = np.zeros(len(tokenizer), dtype=np.float64)
+    forms = (("", False, 1.0),) if language in UNSPACED_LANGUAGES else WORD_FORMS
+    for prefix, capitalise, share in forms:
+        texts = [prefix + (w[:1].upper() + w[1:] if capitalise else w) for w in listed]
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        lengths = np.array([len(row) for row in encoded], dtype=np.int64)
+        ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in encoded] + [np.zeros(0, np.int64)])
+        counts += np.bincount(ids, weights=np.repeat(frequency * share, lengths), minlength=len(counts))[: len(counts)]
+    return counts / frequency.sum()
+
+
+def mix_counts(parts: Sequence[tuple[np.ndarray, float]]) -> np.ndarray:
+    """Weigh several corpora's token counts: each part is scaled to ``weight`` of the total.
+
+    Args:
+        parts: ``(counts [V], weight)`` pairs; counts non-negative (int or float), weights > 0.
+            Parts with no tokens are left out (their weight goes to the others).
+
+    Returns:
+        float64 ``[V]``: ``sum(weight * counts / counts.sum())`` over the parts, normalised by the weights used.
+
+    Raises:
+        ValueError: no part, a weight <= 0, or parts of different vocabulary sizes.
+    """
+    if not parts:
+        raise ValueError("mix_counts needs at least one part")
+    sizes = {int(c.shape[0]) for c, _ in parts}
+    if len(sizes) != 1:
+        raise ValueError(f"mix_counts: parts have different vocabulary sizes {sorted(sizes)}")
+    mixed = np.zeros(sizes.pop(), dtype=np.float64)
+    used = 0.0
+    for counts, weight in parts:
+        if not weight > 0:
+            raise ValueError(f"mix_counts: weights must be > 0, got {weight!r}")
+        total = float(counts.sum())
+        if total > 0:
+            mixed += weight * counts.astype(np.float64) / total
+            used += weight
+    return mixed / used if used else mixed
 
 
 # ---------------------------------------------------------------- counting and building
@@ -244,10 +344,64 @@ def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--target", help="target whose tokenizer counts: HF model folder or .gguf (default: default target)")
     t.add_argument("--size", type=int, default=32768, help="N, ids in the map (default 32768)")
     t.add_argument("--out", help="output .npy or .pt file (default token_map_<N>.npy)")
-    corpus = f"comma list of {', '.join(CORPORA)} or folders"
-    t.add_argument("--corpus", default=",".join(CORPORA), help=f"{corpus} (default: both)")
+    corpus = f"comma list of {', '.join(CORPORA)}, {WORD_LIST_PREFIX}<language> (a word-frequency list) or folders"
+    t.add_argument("--corpus", default=",".join(DEFAULT_CORPUS), help=f"{corpus} (default: {','.join(DEFAULT_CORPUS)})")
+    t.add_argument(
+        "--word-list-weight",
+        type=float,
+        default=DEFAULT_WORD_LIST_WEIGHT,
+        help=f"share of the word-frequency lists in the counts, in (0, 1) (default {DEFAULT_WORD_LIST_WEIGHT})",
+    )
+    t.add_argument("--words", type=int, default=DEFAULT_WORDS, help=f"words per list (default {DEFAULT_WORDS})")
     t.set_defaults(func=cmd_build_token_map)
     return t
+
+
+def corpus_counts(
+    tokenizer: Any,
+    sources: Sequence[str],
+    word_list_weight: float = DEFAULT_WORD_LIST_WEIGHT,
+    words: int = DEFAULT_WORDS,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Token counts of a corpus made of files and word-frequency lists, and what it was made of.
+
+    Args:
+        tokenizer: the target's tokenizer.
+        sources: names for :func:`corpus_files` and ``"wordfreq-<language>"`` entries.
+        word_list_weight: share of all word lists together in the mix (:func:`mix_counts`), in (0, 1);
+            each list gets an equal part of it. Unused when the sources are only files or only lists.
+        words: words per list (:func:`word_list_counts`).
+
+    Returns:
+        (counts float64 ``[V]``, summary with ``files``, ``characters``, ``file_tokens``, ``word_lists``).
+
+    Raises:
+        ValueError: no source, a bad source, or ``word_list_weight`` outside (0, 1).
+        MissingDependencyError: a word list without ``wordfreq`` installed.
+    """
+    if not sources:
+        raise ValueError("--corpus is empty")
+    if not 0.0 < word_list_weight < 1.0:
+        raise ValueError(f"--word-list-weight must be in (0, 1), got {word_list_weight!r}")
+    languages = [lang for s in sources if (lang := word_list_language(s)) is not None]
+    if any(not lang for lang in languages):
+        raise ValueError(f"corpus: {WORD_LIST_PREFIX!r} needs a language, e.g. {WORD_LIST_PREFIX}en")
+    file_sources = [s for s in sources if word_list_language(s) is None]
+    texts = list(read_texts(corpus_files(file_sources))) if file_sources else []
+    file_counts = count_tokens(tokenizer, texts)
+    parts: list[tuple[np.ndarray, float]] = []
+    if file_sources:
+        parts.append((file_counts, 1.0 - word_list_weight if languages else 1.0))
+    share = (word_list_weight if file_sources else 1.0) / max(1, len(languages))
+    parts.extend((word_list_counts(tokenizer, lang, words), share) for lang in languages)
+    summary = {
+        "files": len(texts),
+        "characters": sum(len(t) for t in texts),
+        "file_tokens": int(file_counts.sum()),
+        "word_lists": {lang: words for lang in languages},
+        "word_list_weight": word_list_weight if file_sources and languages else None,
+    }
+    return mix_counts(parts), summary
 
 
 def cmd_build_token_map(args: argparse.Namespace) -> int:
@@ -255,12 +409,8 @@ def cmd_build_token_map(args: argparse.Namespace) -> int:
     from specdecode.models.loading import load_tokenizer, resolve_model_dir
 
     sources = [s.strip() for s in args.corpus.split(",") if s.strip()]
-    if not sources:
-        raise ValueError("--corpus is empty")
-    files = corpus_files(sources)
     tokenizer = load_tokenizer(resolve_model_dir(args.target, "target"))
-    texts = list(read_texts(files))
-    counts = count_tokens(tokenizer, texts)
+    counts, made_of = corpus_counts(tokenizer, sources, args.word_list_weight, args.words)
     always = special_token_ids(tokenizer)
     token_map = token_map_from_counts(counts, args.size, always)
     out = save_token_map(token_map, args.out or f"token_map_{args.size}.npy")
@@ -269,9 +419,7 @@ def cmd_build_token_map(args: argparse.Namespace) -> int:
         "out": str(out),
         "size": len(token_map),
         "corpus": sources,
-        "files": len(texts),
-        "characters": sum(len(t) for t in texts),
-        "tokens": int(counts.sum()),
+        **made_of,
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": {n: coverage(counts, token_map_from_counts(counts, n, always[:n])) for n in sizes},
     }
