@@ -1,0 +1,84 @@
+"""What does a reduced draft LM head (a token map, FR-Spec) save per drafted token on this machine?
+
+For the default draft model: (1) the head alone, ``F.linear`` of one row against the first N rows
+of the map (and the full head); (2) a whole one-token draft step (``ModelRunner.forward`` after a
+short prompt) with the full head and with N-token heads, the arms alternating ``--rounds`` times
+so that drift of the machine hits all alike. Prints medians in milliseconds.
+
+Usage: python scripts/bench_reduced_head.py [--sizes 32768,65536] [--rounds 8] [--steps 16] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.models.loading import load_model
+from specdecode.models.runner import ModelRunner
+from specdecode.proposers.token_map import load_token_map
+
+
+def time_head(weight: torch.Tensor, reps: int) -> float:
+    """Median seconds of ``F.linear`` on one row of the weight's dtype."""
+    x = torch.randn(1, 1, weight.shape[1], dtype=weight.dtype)
+    samples = []
+    with torch.inference_mode():
+        for _ in range(3):
+            F.linear(x, weight)
+        for _ in range(reps):
+            tic = time.perf_counter()
+            F.linear(x, weight)
+            samples.append(time.perf_counter() - tic)
+    return statistics.median(samples)
+
+
+def step_time(model: torch.nn.Module, head_ids: torch.Tensor | None, prompt: torch.Tensor, steps: int) -> float:
+    """Median seconds of a one-token forward after ``prompt``, over ``steps`` steps."""
+    runner = ModelRunner(model, head_ids=head_ids)
+    samples = []
+    with torch.inference_mode():
+        logits = runner.forward(prompt, num_logits=1)
+        for _ in range(steps):
+            token = logits[-1].argmax().view(1)
+            tic = time.perf_counter()
+            logits = runner.forward(token, num_logits=1)
+            samples.append(time.perf_counter() - tic)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="32768,65536", help="N of the reduced heads (first N ids of the map)")
+    p.add_argument("--token-map", default="default")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model = load_model(None, "draft", args.dtype)
+    full_map = load_token_map(args.token_map)
+    sizes = [int(n) for n in args.sizes.split(",")]
+    weight = model.get_output_embeddings().weight
+    print(f"threads {torch.get_num_threads()}, draft head {tuple(weight.shape)} {weight.dtype}")
+    for n in [weight.shape[0], *sizes]:
+        w = weight if n == weight.shape[0] else weight[full_map[:n]].contiguous()
+        print(f"head {n:>6} rows: {1000 * time_head(w, args.reps):.2f} ms")
+    arms: dict[str, torch.Tensor | None] = {"full": None, **{str(n): full_map[:n] for n in sizes}}
+    prompt = torch.randint(0, 1000, (32,))
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.rounds):
+        for name, ids in arms.items():
+            times[name].append(step_time(model, ids, prompt, args.steps))
+    base = statistics.median(times["full"])
+    for name, samples in times.items():
+        med = statistics.median(samples)
+        print(f"draft step, head {name:>6}: {1000 * med:.1f} ms ({med / base:.3f} of the full head)")
+
+
+if __name__ == "__main__":
+    main()
