@@ -25,7 +25,8 @@ Files: ``.npy`` (int32 on disk, loaded as int64) or ``.pt`` (a ``torch.save``'d 
 format of FR-Spec's and SGLang's maps). :data:`DEFAULT_TOKEN_MAP` ships in the package: the
 65,536 most frequent tokens of the Qwen2.5 tokenizer (the default target's), counted by
 ``specdecode build-token-map --size 65536`` with the default corpus (standard library, packaged
-prose and the English word list, half and half); ``draft_vocab_size`` takes its first N.
+prose and the English word list, half and half); ``draft_vocab_size`` takes its first N. It is
+derived in part from wordfreq's data (Robyn Speer, CC BY-SA 4.0); it holds token ids only.
 """
 
 from __future__ import annotations
