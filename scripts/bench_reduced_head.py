@@ -15,25 +15,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from bench_linear_rows import time_linear  # this script's folder is on sys.path
 
 from specdecode.models.loading import load_model
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.token_map import load_token_map
-
-
-def time_head(weight: torch.Tensor, reps: int) -> float:
-    """Median seconds of ``F.linear`` on one row of the weight's dtype."""
-    x = torch.randn(1, 1, weight.shape[1], dtype=weight.dtype)
-    samples = []
-    with torch.inference_mode():
-        for _ in range(3):
-            F.linear(x, weight)
-        for _ in range(reps):
-            tic = time.perf_counter()
-            F.linear(x, weight)
-            samples.append(time.perf_counter() - tic)
-    return statistics.median(samples)
 
 
 def step_time(model: torch.nn.Module, head_ids: torch.Tensor | None, prompt: torch.Tensor, steps: int) -> float:
@@ -67,7 +53,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, draft head {tuple(weight.shape)} {weight.dtype}")
     for n in [weight.shape[0], *sizes]:
         w = weight if n == weight.shape[0] else weight[full_map[:n]].contiguous()
-        print(f"head {n:>6} rows: {1000 * time_head(w, args.reps):.2f} ms")
+        print(f"head {n:>6} rows: {1000 * time_linear(w, 1, args.reps):.2f} ms")
     arms: dict[str, torch.Tensor | None] = {"full": None, **{str(n): full_map[:n] for n in sizes}}
     prompt = torch.randint(0, 1000, (32,))
     times: dict[str, list[float]] = {name: [] for name in arms}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 from specdecode.proposers.token_map import load_token_map
 
@@ -28,7 +29,7 @@ def main() -> None:
     outputs: dict[str, list[int]] = defaultdict(list)
     seen: set[tuple] = set()
     for path in args.results:
-        for record in json.load(open(path))["records"]:
+        for record in json.loads(Path(path).read_text())["records"]:
             key = (record["question_id"], record["turn"])
             if record["method"] == "target" and key not in seen:  # one output per prompt and turn
                 seen.add(key)

@@ -159,10 +159,7 @@ def word_list_counts(tokenizer: Any, language: str, words: int = DEFAULT_WORDS) 
     counts = np.zeros(len(tokenizer), dtype=np.float64)
     forms = (("", False, 1.0),) if language in UNSPACED_LANGUAGES else WORD_FORMS
     for prefix, capitalise, share in forms:
-        texts = [prefix + (w[:1].upper() + w[1:] if capitalise else w) for w in listed]
-        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-        lengths = np.array([len(row) for row in encoded], dtype=np.int64)
-        ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in encoded] + [np.zeros(0, np.int64)])
+        ids, lengths = encode_flat(tokenizer, [prefix + (w[:1].upper() + w[1:] if capitalise else w) for w in listed])
         counts += np.bincount(ids, weights=np.repeat(frequency * share, lengths), minlength=len(counts))[: len(counts)]
     return counts / frequency.sum()
 
@@ -207,6 +204,18 @@ def special_token_ids(tokenizer: Any) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def encode_flat(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize each text on its own (no special tokens) and join the ids.
+
+    Returns:
+        (ids int64 ``[sum of lengths]``, lengths int64 ``[len(texts)]``: tokens of each text).
+    """
+    rows = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in rows] + [np.zeros(0, np.int64)])
+    return ids, lengths
+
+
 def count_tokens(tokenizer: Any, texts: Iterable[str], batch_size: int = 64) -> np.ndarray:
     """How often each token occurs in ``texts`` (each tokenized on its own, no special tokens added).
 
@@ -217,10 +226,7 @@ def count_tokens(tokenizer: Any, texts: Iterable[str], batch_size: int = 64) -> 
     batch: list[str] = []
 
     def flush() -> None:
-        encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)
-        ids = np.concatenate(
-            [np.asarray(row, dtype=np.int64) for row in encoded["input_ids"]] + [np.zeros(0, np.int64)]
-        )
+        ids, _ = encode_flat(tokenizer, batch)
         counts[:] += np.bincount(ids, minlength=counts.shape[0])[: counts.shape[0]]
         batch.clear()
 
