@@ -64,6 +64,7 @@ from specdecode.drafters.heads import (
 
 FEATURES_META = "features.json"
 CHECKPOINT = "checkpoint.pt"
+DISTILL = ("top1", "soft")
 
 
 # ---------------------------------------------------------------- features
@@ -228,6 +229,10 @@ class TrainConfig:
         save_every: checkpoint every this many steps.
         noise: EAGLE's uniform feature noise half-width.
         cls_weight: EAGLE's weight of the classification loss.
+        distill: the classification target: ``"top1"`` (cross-entropy against the target's top-1
+            prediction, a hard label) or ``"soft"`` (cross-entropy against the target's whole
+            distribution over the token map, ``softmax(lm_head(f))`` renormalised on the map, i.e.
+            KL distillation as in EAGLE's and Medusa-2's self-distillation; more signal per token).
         loss_positions: positions per sequence where the LM-head losses are computed each step
             (random; None: all). The LM-head rows dominate a step's cost on a CPU.
         seed: data order and initialisation.
@@ -246,6 +251,7 @@ class TrainConfig:
     save_every: int = 200
     noise: float = 0.1
     cls_weight: float = 0.1
+    distill: str = "top1"
     loss_positions: int | None = 128
     seed: int = 0
 
@@ -256,6 +262,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distill not in DISTILL:
+            raise ValueError(f"distill must be one of {list(DISTILL)}, got {self.distill!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if not self.lr > 0:
@@ -286,12 +294,29 @@ def _sample_positions(B: int, span: int, count: int | None, generator: torch.Gen
     return torch.stack([torch.randperm(span, generator=generator)[:count] for _ in range(B)])
 
 
+def _classification_loss(
+    drafter: MedusaHeads | EagleHead, logits: torch.Tensor, target: torch.Tensor, teacher: torch.Tensor | None
+) -> torch.Tensor:
+    """Cross-entropy of ``logits`` float32 ``[..., N]`` against the target's predictions.
+
+    ``teacher`` None: hard labels ``target`` (map columns, -100 ignored). Otherwise ``teacher`` is the
+    target's true feature ``[..., H]`` at the labelled position and the label is its distribution over
+    the token map (soft cross-entropy = KL distillation up to the teacher's entropy).
+    """
+    if teacher is None:
+        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=-100)
+    with torch.no_grad():
+        probs = torch.softmax(drafter.logits(teacher), dim=-1)  # (..., N)
+    return -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
 def medusa_loss(
     drafter: MedusaHeads,
     features: torch.Tensor,
     labels: torch.Tensor,
     loss_positions: int | None = None,
     generator: torch.Generator | None = None,
+    distill: str = "top1",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Medusa loss on a batch.
 
@@ -301,6 +326,7 @@ def medusa_loss(
         loss_positions: positions per sequence the loss is computed at (random, distinct; None: all).
             The LM-head rows dominate the cost, so a sample keeps a CPU step short.
         generator: for the sample.
+        distill: ``"top1"`` or ``"soft"`` (see :class:`TrainConfig`).
 
     Returns:
         ``(loss, correct [K], counted [K])``: the weighted cross-entropy and per-head top-1 hits.
@@ -316,7 +342,8 @@ def medusa_loss(
     for i in range(1, K + 1):
         logits = drafter.logits(hidden[:, :, i - 1])  # (B, m, N)
         target = labels[rows, picked + i]  # y_{p+i}
-        total = total + 0.8 ** (i - 1) * F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        teacher = features[rows, picked + i] if distill == "soft" else None  # f_{p+i}
+        total = total + 0.8 ** (i - 1) * _classification_loss(drafter, logits, target, teacher)
         with torch.no_grad():
             valid = target >= 0
             correct[i - 1] = int(((logits.argmax(-1) == target) & valid).sum())
@@ -333,6 +360,7 @@ def eagle_loss(
     cls_weight: float,
     loss_positions: int | None = None,
     generator: torch.Generator | None = None,
+    distill: str = "top1",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE loss on a batch (teacher forcing; see the module docstring).
 
@@ -342,6 +370,7 @@ def eagle_loss(
         loss_positions: positions per sequence the classification loss is computed at (random; None:
             all); the regression loss uses every position.
         generator: for the sample.
+        distill: ``"top1"`` or ``"soft"`` (see :class:`TrainConfig`).
 
     Returns:
         ``(loss, correct [1], counted [1])``.
@@ -357,7 +386,8 @@ def eagle_loss(
     rows = torch.arange(B).view(B, 1)
     logits = drafter.logits(predicted[rows, picked])  # (B, m, N)
     target = labels[:, 1:][rows, picked]
-    classification = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    teacher = features[:, 1:][rows, picked] if distill == "soft" else None  # f_{p+1}
+    classification = _classification_loss(drafter, logits, target, teacher)
     with torch.no_grad():
         valid = target >= 0
         correct = torch.tensor([int(((logits.argmax(-1) == target) & valid).sum())])
@@ -546,7 +576,7 @@ def train_drafter(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=target.device.type == "cpu"):
             if isinstance(drafter, MedusaHeads):
                 loss, correct, counted = medusa_loss(
-                    drafter, data["features"][idx], labels[idx], config.loss_positions, sampler
+                    drafter, data["features"][idx], labels[idx], config.loss_positions, sampler, config.distill
                 )
             else:
                 loss, correct, counted = eagle_loss(
@@ -558,6 +588,7 @@ def train_drafter(
                     config.cls_weight,
                     config.loss_positions,
                     sampler,
+                    config.distill,
                 )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -642,6 +673,19 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default: half the target's)")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument(
+        "--cls-weight",
+        type=float,
+        default=defaults.cls_weight,
+        help=f"EAGLE: weight of the classification loss next to feature regression (default {defaults.cls_weight})",
+    )
+    p.add_argument(
+        "--distill",
+        choices=DISTILL,
+        default=defaults.distill,
+        help="classification labels: the target's top-1 prediction, or its whole distribution over the "
+        f"token map (soft, KL distillation); default {defaults.distill}",
+    )
+    p.add_argument(
         "--loss-positions",
         type=int,
         default=defaults.loss_positions,
@@ -667,6 +711,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         intermediate_size=args.intermediate_size,
         batch_size=args.batch_size,
         lr=args.lr,
+        cls_weight=args.cls_weight,
+        distill=args.distill,
         max_steps=args.max_steps,
         time_budget_s=None if args.time_budget_min is None else args.time_budget_min * 60.0,
         val_every=args.val_every,
