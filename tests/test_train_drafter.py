@@ -57,6 +57,7 @@ def test_features_are_the_targets_final_hidden_states_and_predictions(target, fe
     meta = json.loads((features / "features.json").read_text())
     assert data["tokens"].shape == (24, 32) and meta["tokens"] == 24 * 32 and meta["source"] == "conftest corpus"
     assert len(list(features.glob("shard-*.safetensors"))) == 3  # 8 sequences per shard
+    assert not list(features.glob("*.partial"))  # shards are written aside, then renamed
     ids = data["tokens"][5:7]
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
@@ -69,6 +70,16 @@ def test_collecting_again_resumes_and_another_target_is_refused(target, tiny_tok
     before = sorted(p.stat().st_mtime_ns for p in features.glob("shard-*"))
     collect_features(target, tiny_tokenizer, TEXTS, features, max_tokens=32 * 24, seq_len=32, progress=False)
     assert sorted(p.stat().st_mtime_ns for p in features.glob("shard-*")) == before  # nothing recomputed
+    # a run stopped after its first shard: the shard and the metadata say how far it got, and the next
+    # run goes on from there
+    stopped = tmp_path / "stopped"
+    collect_features(target, tiny_tokenizer, TEXTS, stopped, max_tokens=32 * 8, seq_len=32, shard_sequences=8,
+                     progress=False)  # fmt: skip
+    assert json.loads((stopped / "features.json").read_text())["sequences"] == 8
+    collect_features(target, tiny_tokenizer, TEXTS, stopped, max_tokens=32 * 24, seq_len=32, shard_sequences=8,
+                     progress=False)  # fmt: skip
+    assert json.loads((stopped / "features.json").read_text())["sequences"] == 24
+    assert torch.equal(load_features(stopped)["tokens"], load_features(features)["tokens"])
     other = make_tiny_model(vocab_size=target.config.vocab_size, seed=5)
     with pytest.raises(ValueError, match="another target"):
         collect_features(other, tiny_tokenizer, TEXTS, features, max_tokens=32 * 24, seq_len=32, progress=False)

@@ -115,7 +115,9 @@ def collect_features(
 ) -> Path:
     """Run the target over the corpus and save features, tokens and predictions in shards.
 
-    Resumable: shards already in ``out_dir`` are kept and their sequences skipped.
+    Resumable: shards already in ``out_dir`` are kept and their sequences skipped; each shard is
+    written atomically with ``features.json`` after it, so a run stopped at any moment loses at most
+    the sequences of the shard in progress.
 
     Args:
         target, tokenizer: the target and its tokenizer.
@@ -159,14 +161,35 @@ def collect_features(
     shard: dict[str, list[torch.Tensor]] = {"tokens": [], "features": [], "predictions": []}
     index = len(done)
 
+    def write_meta() -> None:
+        meta_path.write_text(
+            json.dumps(
+                {
+                    "target": identity,
+                    "seq_len": seq_len,
+                    "sequences": count,
+                    "tokens": count * seq_len,
+                    "source": source or meta.get("source", ""),
+                    "seconds": round(float(meta.get("seconds", 0.0)) + time.perf_counter() - tic, 1),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
     def flush() -> None:
+        """Save the shard (atomically: a run killed mid-write leaves no half shard) and the metadata."""
         nonlocal index
         if shard["tokens"]:
             tensors = {key: torch.cat(value) for key, value in shard.items()}
-            save_file(tensors, str(out / f"shard-{index:05d}.safetensors"))
+            path = out / f"shard-{index:05d}.safetensors"
+            partial = path.with_name(path.name + ".partial")
+            save_file(tensors, str(partial))
+            partial.replace(path)
             index += 1
             for value in shard.values():
                 value.clear()
+            write_meta()
 
     count = have
     while batch := list(islice(sequences, batch_size)):
@@ -181,16 +204,7 @@ def collect_features(
             flush()
     flush()
     bar.close()
-    elapsed = time.perf_counter() - tic
-    meta = {
-        "target": identity,
-        "seq_len": seq_len,
-        "sequences": count,
-        "tokens": count * seq_len,
-        "source": source or meta.get("source", ""),
-        "seconds": round(float(meta.get("seconds", 0.0)) + elapsed, 1),
-    }
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    write_meta()
     return out
 
 
