@@ -179,6 +179,8 @@ def test_bad_options_are_named():
         TrainConfig(val_fraction=1.0)
     with pytest.raises(ValueError, match="distill"):
         TrainConfig(distill="kl")
+    with pytest.raises(ValueError, match="cls_weight"):
+        TrainConfig(cls_weight=-0.1)
 
 
 def test_expected_accepted_is_the_sum_of_running_products():

@@ -276,6 +276,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("cls_weight", "noise"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.distill not in DISTILL:
             raise ValueError(f"distill must be one of {list(DISTILL)}, got {self.distill!r}")
         if not 0.0 < self.val_fraction < 1.0:
