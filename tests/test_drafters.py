@@ -18,7 +18,16 @@ from specdecode.drafters import DrafterConfig, build_drafter, default_drafter_di
 from specdecode.drafters.heads import EagleHead, MedusaHeads
 from specdecode.errors import IncompatibleModelsError
 from specdecode.models.runner import ModelRunner
-from specdecode.proposers import PROPOSERS, DraftModelProposer, EagleProposer, MedusaProposer, make_proposer
+from specdecode.proposers import (
+    PROPOSERS,
+    DraftModelProposer,
+    EagleConfig,
+    EagleProposer,
+    MedusaConfig,
+    MedusaProposer,
+    make_proposer,
+)
+from specdecode.proposers.hybrid import with_prompt_lookup
 from specdecode.tree import children_lists, parse_tree
 
 from conftest import make_tiny_model
@@ -371,6 +380,64 @@ def test_sampled_tokens_follow_the_target(small_target, kind: str, tree) -> None
     ]
     rate = sum(r.stats.accepted_tokens for r in samples) / sum(r.stats.drafts for r in samples)
     assert 0.02 < rate < 0.9, f"the drafts should be accepted only partly, {rate:.2f} accepted per step"
+    for pos in range(3):
+        tokens = [r.token_ids[pos] for r in samples]
+        assert chi_square_p(tokens, exact[pos]) > P_MIN, f"position {pos} differs from the target's"
+
+
+# ------------------------------------------------------------------ prompt lookup first, the drafter otherwise
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("agreement", ["fully", "never", "partly"])
+@pytest.mark.parametrize("mode", [3, "dynamic:10:4:3"])
+def test_greedy_with_prompt_lookup_first(cases, kind: str, agreement: str, mode) -> None:
+    """``prompt_lookup_min=2``: steps drafted by lookup and by the drafter mix (both counted), the output
+    is the target's, and every draft the drafter makes after lookup steps equals the cache-less
+    reference's argmax path (its features stayed in sync while it was not asked)."""
+    target, drafter, answers = cases[kind, agreement]
+    recorder = Recorder(proposer(drafter))
+    config = (EagleConfig if kind == "eagle" else MedusaConfig)(prompt_lookup_min=2)
+    hybrid = with_prompt_lookup(recorder, config)
+    spec = SpeculativeGenerator(target, proposer=hybrid)
+    tree = mode if isinstance(mode, str) else None
+    lookup = model = 0
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=3, tree=tree)
+        assert result.token_ids == answer
+        assert result.stats.proposer == f"{kind}+lookup"
+        lookup, model = lookup + hybrid.lookup_steps, model + hybrid.model_steps
+    assert lookup > 0 and model > 0, (lookup, model)
+    if tree is not None:
+        return
+    head_ids = drafter.head_ids
+    for context, draft in recorder.calls:
+        ids = draft.ids.tolist()
+        for i, token in enumerate(ids):
+            if kind == "medusa":
+                row = medusa_reference(drafter, target, context)[i]
+            else:
+                row = eagle_reference(drafter, target, context, ids[:i])
+            assert token == int(head_ids[row.argmax()])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_sampled_tokens_follow_the_target_with_prompt_lookup_first(small_target, kind: str) -> None:
+    """As the test below, with ``prompt_lookup_min=1``: steps drafted by lookup (one-hot q) and by the
+    drafter (its own q, zero outside its map) mix within requests; chi-square p > P_MIN at each of the
+    first three positions (1,200 seeded samples)."""
+    head_ids = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 9, 11])
+    drafter = distill(make_drafter(kind, small_target, head_ids, seed=2), small_target, steps=10)
+    prompt = [3, 1, 4, 1, 5]
+    exact = exact_marginals(small_target, prompt, 3, SAMPLING)
+    config = (EagleConfig if kind == "eagle" else MedusaConfig)(prompt_lookup_min=1)
+    hybrid = with_prompt_lookup(proposer(drafter), config)
+    spec = SpeculativeGenerator(small_target, proposer=hybrid)
+    samples, lookup, model = [], 0, 0
+    for s in range(1_200):
+        samples.append(
+            spec.generate(prompt, SamplingParams(**{**SAMPLING.__dict__, "seed": s}), num_speculative_tokens=2)
+        )
+        lookup, model = lookup + hybrid.lookup_steps, model + hybrid.model_steps
+    assert lookup > 200 and model > 200, (lookup, model)
     for pos in range(3):
         tokens = [r.token_ids[pos] for r in samples]
         assert chi_square_p(tokens, exact[pos]) > P_MIN, f"position {pos} differs from the target's"

@@ -20,6 +20,7 @@ from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossToke
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.eagle import EagleConfig, EagleProposer
 from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
+from specdecode.proposers.hybrid import LookupFirstProposer, LookupFirstTreeProposer, with_prompt_lookup
 from specdecode.proposers.medusa import MedusaConfig, MedusaProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
@@ -70,7 +71,7 @@ class NoOptions:
 def _draft_model(config: DraftModelConfig, target: PreTrainedModel | None, draft: PreTrainedModel | None) -> Proposer:
     if draft is None:
         raise ValueError("proposer 'draft_model' needs a draft model (--draft)")
-    return DraftModelProposer(draft, config)
+    return with_prompt_lookup(DraftModelProposer(draft, config), config)
 
 
 def _cross_tokenizer(
@@ -102,15 +103,15 @@ def _cross_tokenizer(
 def _early_exit(config: EarlyExitConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
     if target is None:
         raise ValueError("proposer 'early_exit' needs the target model (its first layers draft)")
-    return EarlyExitProposer(target, config)
+    return with_prompt_lookup(EarlyExitProposer(target, config), config)
 
 
 def _medusa(config: MedusaConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
-    return MedusaProposer.for_target(target, config)
+    return with_prompt_lookup(MedusaProposer.for_target(target, config), config)
 
 
 def _eagle(config: EagleConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
-    return EagleProposer.for_target(target, config)
+    return with_prompt_lookup(EagleProposer.for_target(target, config), config)
 
 
 def _prompt_lookup(config: PromptLookupConfig, target: PreTrainedModel | None, draft: Any) -> Proposer:
@@ -202,6 +203,8 @@ __all__ = [
     "EagleProposer",
     "EarlyExitConfig",
     "EarlyExitProposer",
+    "LookupFirstProposer",
+    "LookupFirstTreeProposer",
     "MedusaConfig",
     "MedusaProposer",
     "NoOptions",

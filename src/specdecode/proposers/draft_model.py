@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
 from specdecode.proposers.token_map import load_token_map
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
@@ -33,11 +34,14 @@ class DraftModelConfig:
             the output stays exact, acceptance drops by the target mass outside the map.
         draft_vocab_size: use only the first N ids of ``token_map`` (its N most frequent tokens);
             None uses all of it. A string of an integer (from the command line) is accepted.
+        prompt_lookup_min, prompt_lookup_max: when >= 1, draft by prompt lookup whenever the context's
+            last n tokens (n from max down to min) occurred earlier, and by the model otherwise
+            (:mod:`specdecode.proposers.hybrid`); 0 (default) always drafts with the model.
 
     Raises:
         ValueError: ``draft_confidence`` outside [0, 1); ``token_map`` not None, ``"default"`` or a
             readable map file; ``draft_vocab_size`` not an integer in [1, len(map)], or given
-            without ``token_map``.
+            without ``token_map``; ``prompt_lookup_min`` < 0 or ``prompt_lookup_max`` < max(1, min).
     """
 
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
@@ -48,8 +52,11 @@ class DraftModelConfig:
     draft_vocab_size: int | None = field(
         default=None, metadata={"help": "use the first N (most frequent) ids of --token-map (default: all)"}
     )
+    prompt_lookup_min: int = prompt_lookup_min_field()
+    prompt_lookup_max: int = prompt_lookup_max_field()
 
     def __post_init__(self) -> None:
+        check_prompt_lookup(self)
         if not isinstance(self.draft_confidence, int | float) or not 0.0 <= self.draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be a number in [0, 1), got {self.draft_confidence!r}")
         if self.token_map is not None:

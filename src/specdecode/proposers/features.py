@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters import default_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
+from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 
 # Per target: (kind, folder) -> (the files' modification times, the drafter loaded from them).
@@ -43,9 +44,12 @@ class TrainedDrafterConfig:
             map, after the request's temperature / top-k / top-p; plain softmax when greedy) falls
             below this value, in [0, 1); 0 drafts all k tokens (as in
             :class:`~specdecode.proposers.draft_model.DraftModelConfig`).
+        prompt_lookup_min, prompt_lookup_max: prompt lookup first, the drafter otherwise
+            (:mod:`specdecode.proposers.hybrid`; 0 = off), as in ``DraftModelConfig``.
 
     Raises:
-        ValueError: ``draft_confidence`` outside [0, 1), or ``drafter`` not a path.
+        ValueError: ``draft_confidence`` outside [0, 1), ``drafter`` not a path, or bad
+            ``prompt_lookup_min`` / ``prompt_lookup_max``.
         FileNotFoundError: ``drafter`` names a folder without a saved drafter (checked here, before
             any model loads).
     """
@@ -57,8 +61,11 @@ class TrainedDrafterConfig:
         metadata={"help": "folder of a trained drafter (default: <cache>/drafters/KIND-TARGET from train-drafter)"},
     )
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
+    prompt_lookup_min: int = prompt_lookup_min_field()
+    prompt_lookup_max: int = prompt_lookup_max_field()
 
     def __post_init__(self) -> None:
+        check_prompt_lookup(self)
         if not isinstance(self.draft_confidence, int | float) or not 0.0 <= self.draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be a number in [0, 1), got {self.draft_confidence!r}")
         if self.drafter is not None:
