@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -10,11 +11,14 @@ import torch
 from specdecode.drafters import build_drafter, load_drafter
 from specdecode.drafters.heads import DrafterConfig
 from specdecode.drafters.train import (
+    CHAT_INSTRUCTIONS,
     TrainConfig,
     _classification_loss,
+    chat_texts,
     collect_features,
     eagle_loss,
     expected_accepted,
+    function_examples,
     load_features,
     medusa_loss,
     token_sequences,
@@ -209,3 +213,81 @@ def test_cli_trains_on_a_folder_corpus_into_the_default_folder(target, tiny_toke
     assert saved["training"]["data"]["source"] == str(corpus)
     assert "saved eagle drafter" in capsys.readouterr().out
     assert main(["train-drafter", "--kind", "eagle", "--data", str(tmp_path / "nowhere")]) == 2
+    assert main(["train-drafter", "--kind", "eagle", "--extra-features", str(tmp_path / "nowhere")]) == 2
+    assert "--extra-features" in capsys.readouterr().err
+    chat = tmp_path / "chat-features"
+    (corpus / "documented.py").write_text(SOURCE)
+    argv = ["train-drafter", "--kind", "eagle", "--target", str(target_dir), "--dtype", "float32", "--data",
+            str(corpus), "--chat", "--collect-only", "--features", str(chat), "--max-tokens", "64", "--seq-len",
+            "32", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    meta = json.loads((chat / "features.json").read_text())
+    assert meta["sequences"] == 2 and meta["source"] == f"{corpus} (chat examples of its functions)"
+    assert "--collect-only" in capsys.readouterr().out
+
+
+SOURCE = '''
+def documented(a, b):
+    """Add two numbers.
+
+    Returns their sum.
+    """
+    total = a + b
+    total += 0
+    return total
+
+
+def undocumented(a):
+    x = a
+    y = x
+    return y
+
+
+def short(a):
+    """Too short to teach anything."""
+    return a
+
+
+class Box:
+    def method(self, item):
+        """Put ``item`` in the box."""
+        self.items = []
+        self.items.append(item)
+'''
+
+
+def test_chat_examples_are_the_corpus_functions_in_the_chat_template(tiny_tokenizer):
+    examples = list(function_examples(SOURCE))
+    assert [whole.split("(")[0] for _, whole in examples] == ["def documented", "def method"]
+    header, whole = examples[1]
+    assert header == 'def method(self, item):\n    """Put ``item`` in the box."""\n'  # dedented
+    assert whole == header + "    self.items = []\n    self.items.append(item)\n"
+    assert list(function_examples("def broken(:\n")) == []
+    chats = list(chat_texts(tiny_tokenizer, [SOURCE, "x = 1\n"], seed=0))
+    assert len(chats) == 2
+    user, assistant = chats[1].split("<|assistant|>")
+    assert user.startswith("<|user|>") and f"```python\n{header}```" in user
+    assert any(instruction in user for instruction in CHAT_INSTRUCTIONS)
+    assert assistant.startswith(f"```python\n{whole}```")
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        next(chat_texts(plain, [SOURCE]))
+
+
+def test_training_on_several_feature_folders(target, tiny_tokenizer, features, tmp_path):
+    chat = tmp_path / "chat"
+    collect_features(target, tiny_tokenizer, chat_texts(tiny_tokenizer, [SOURCE] * 20), chat, max_tokens=32 * 20,
+                     seq_len=32, progress=False, source="chat")  # fmt: skip
+    config = TrainConfig(kind="eagle", draft_vocab_size=40, max_steps=3, val_every=10, save_every=10)
+    report = train_drafter(target, [features, chat], tmp_path / "out", config, progress=False)
+    data = report["data"]
+    assert data["source"] == "conftest corpus + chat" and data["val_sequences"] == 1 + 1  # 5% of 24 and of 20
+    assert data["train_sequences"] == 24 + 20 - 2
+    assert set(report["val_top1_per_position_by_source"]) == {"conftest corpus", "chat"}
+    other = tmp_path / "other"
+    collect_features(target, tiny_tokenizer, TEXTS, other, max_tokens=16 * 8, seq_len=16, progress=False)
+    with pytest.raises(ValueError, match="seq_len"):
+        train_drafter(target, [features, other], tmp_path / "out2", config, progress=False)
+    with pytest.raises(FileNotFoundError, match="features.json"):
+        train_drafter(target, [features, tmp_path / "nowhere"], tmp_path / "out3", config, progress=False)

@@ -10,7 +10,10 @@
    of token ``p + 1``. Those predictions are the labels: no other model and no labelled data are
    needed (Medusa-2's and EAGLE's self-distillation, here on the target's predictions over corpus
    text rather than on its generations, which would take hours on a CPU). Saved as safetensors
-   shards in a features folder that both kinds reuse.
+   shards in a features folder that both kinds reuse. With ``--chat`` (:func:`chat_texts`) the
+   corpus's documented functions become chat examples in the target's chat template (complete this
+   function -> the function), the format and the copying an instruct target meets on code requests;
+   ``--extra-features`` trains on several features folders at once.
 2. **Training** (:func:`train_drafter`): AdamW on the drafter only (the target is frozen; the
    drafter scores with the target's LM head rows of a token map built from the labels' counts).
 
@@ -39,7 +42,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -83,6 +86,71 @@ def token_sequences(tokenizer: Any, texts: Iterable[str], seq_len: int, max_toke
             yield buffer[:seq_len]
             buffer = buffer[seq_len:]
             made += seq_len
+
+
+CHAT_INSTRUCTIONS = (
+    "Complete the following Python function:",
+    "Implement this Python function.",
+    "Write the body of the function below.",
+    "Finish this code:",
+    "Here is a function signature and its docstring. Write the implementation.",
+)
+
+
+def function_examples(text: str, max_lines: int = 80) -> Iterator[tuple[str, str]]:
+    """``(header, function)`` pairs from Python source: every function or method with a docstring and
+    at least two statements after it, at most ``max_lines`` lines, dedented; ``header`` is the ``def``
+    line(s) and the docstring, ``function`` the whole definition. Source that does not parse yields nothing."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return
+    lines = text.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or ast.get_docstring(node) is None:
+            continue
+        if len(node.body) < 3 or node.end_lineno is None or node.end_lineno - node.lineno >= max_lines:
+            continue
+        doc_end = node.body[0].end_lineno or node.lineno
+        whole = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+        header_lines = doc_end - node.lineno + 1
+        yield "\n".join(whole.splitlines()[:header_lines]) + "\n", whole + "\n"
+
+
+def chat_texts(tokenizer: Any, texts: Iterable[str], seed: int = 0) -> Iterator[str]:
+    """Chat examples in the target's chat template, made from the functions of Python source.
+
+    Each function with a docstring (:func:`function_examples`) becomes one user turn (an instruction
+    from :data:`CHAT_INSTRUCTIONS`, picked at random, and the function's signature and docstring in a
+    code block) and one assistant turn (the whole function in a code block). It teaches a drafter the
+    chat format and the copying that an instruct target does when asked to complete code (its answer
+    starts by repeating the signature and docstring), without generating anything: the labels are
+    still the target's own predictions over these texts.
+
+    Args:
+        tokenizer: the target's tokenizer, with a chat template.
+        texts: Python source texts (e.g. ``read_texts(corpus_files(["stdlib"]))``).
+        seed: the instruction choice.
+
+    Yields:
+        the rendered chat (str), one per function.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat examples need a tokenizer with a chat template")
+    pick = random.Random(seed)
+    for text in texts:
+        for header, function in function_examples(text):
+            messages = [
+                {"role": "user", "content": f"{pick.choice(CHAT_INSTRUCTIONS)}\n```python\n{header}```"},
+                {"role": "assistant", "content": f"```python\n{function}```"},
+            ]
+            yield tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 @torch.inference_mode()
@@ -484,7 +552,7 @@ def expected_accepted(agreement: list[float]) -> float:
 
 def train_drafter(
     target: PreTrainedModel,
-    features_dir: str | Path,
+    features_dir: str | Path | Sequence[str | Path],
     out_dir: str | Path,
     config: TrainConfig,
     always_ids: list[int] | None = None,
@@ -495,7 +563,8 @@ def train_drafter(
 
     Args:
         target: the frozen target (its LM head rows score the drafter's outputs).
-        features_dir: made by :func:`collect_features` for this target.
+        features_dir: a folder made by :func:`collect_features` for this target, or several (one
+            ``seq_len``): trained on together, each holding out its last ``val_fraction`` of sequences.
         out_dir: where the drafter (and ``checkpoint.pt``) go.
         config: :class:`TrainConfig`.
         always_ids: token ids always in the token map (the tokenizer's special tokens).
@@ -506,23 +575,54 @@ def train_drafter(
         the report saved in ``drafter.json`` under ``training``.
 
     Raises:
-        ValueError: features made for another target, or too few sequences to hold some out.
+        ValueError: features made for another target or with unequal ``seq_len``, or too few sequences
+            in a folder to hold some out.
+        FileNotFoundError: a folder without features.
     """
     from tqdm.auto import tqdm
 
     torch.manual_seed(config.seed)
-    meta = json.loads((Path(features_dir) / FEATURES_META).read_text())
+    folders = [Path(features_dir)] if isinstance(features_dir, str | Path) else [Path(f) for f in features_dir]
+    if not folders:
+        raise ValueError("features_dir: give at least one features folder")
     identity = target_identity(target)
-    if meta["target"]["weights_hash"] != identity["weights_hash"]:
-        raise ValueError(f"features in {features_dir} were made with another target")
-    data = load_features(features_dir)
+    metas: list[dict[str, Any]] = []
+    parts: list[dict[str, torch.Tensor]] = []
+    val_parts: list[torch.Tensor] = []
+    start = 0
+    for folder in folders:
+        meta_path = folder / FEATURES_META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"features_dir: {folder} holds no {FEATURES_META} (collect features first)")
+        meta = json.loads(meta_path.read_text())
+        if meta["target"]["weights_hash"] != identity["weights_hash"]:
+            raise ValueError(f"features in {folder} were made with another target")
+        if metas and meta["seq_len"] != metas[0]["seq_len"]:
+            raise ValueError(f"features in {folder} have seq_len {meta['seq_len']}, {folders[0]} {metas[0]['seq_len']}")
+        part = load_features(folder)
+        S_i = part["tokens"].shape[0]
+        n_val_i = max(1, int(round(S_i * config.val_fraction)))
+        if S_i - n_val_i < 1:
+            raise ValueError(f"features in {folder} hold {S_i} sequences: too few to hold {n_val_i} out")
+        # held out: the last sequences of each stream (other files than most training sequences; a random
+        # split would validate on chunks of the very files trained on, which overstates agreement)
+        val_parts.append(torch.arange(start + S_i - n_val_i, start + S_i))
+        start += S_i
+        metas.append(meta)
+        parts.append(part)
+    data = {key: torch.cat([p[key] for p in parts]) for key in parts[0]} if len(parts) > 1 else parts[0]
+    del parts
     S = data["tokens"].shape[0]
-    n_val = max(1, int(round(S * config.val_fraction)))
-    if S - n_val < 1:
-        raise ValueError(f"features in {features_dir} hold {S} sequences: too few to hold {n_val} out")
-    # held out: the last sequences of the stream (other files than most training sequences; a random
-    # split would validate on chunks of the very files trained on, which overstates agreement)
-    val_idx, train_idx = torch.arange(S - n_val, S), torch.arange(S - n_val)
+    val_idx = torch.cat(val_parts)
+    is_val = torch.zeros(S, dtype=torch.bool)
+    is_val[val_idx] = True
+    train_idx = (~is_val).nonzero().view(-1)
+    n_val = int(val_idx.shape[0])
+    meta = {
+        "source": " + ".join(str(m.get("source", "")) for m in metas),
+        "seq_len": metas[0]["seq_len"],
+        "seconds": sum(float(m.get("seconds") or 0.0) for m in metas),
+    }
     V = identity["vocab_size"]
     head_ids = head_ids_from_predictions(data["predictions"][train_idx], V, config.draft_vocab_size, always_ids or [])
     labels = _column_labels(data["predictions"], head_ids, V)  # (S, L)
@@ -639,6 +739,16 @@ def train_drafter(
     checkpoint()
     train_seconds = elapsed_before + time.perf_counter() - tic
     agreement = validate(drafter, data["tokens"][val_idx], data["features"][val_idx], labels[val_idx])
+    per_source = (
+        {
+            str(m.get("source", f)): [
+                round(a, 4) for a in validate(drafter, data["tokens"][v], data["features"][v], labels[v])
+            ]
+            for f, m, v in zip(folders, metas, val_parts, strict=True)
+        }
+        if len(folders) > 1
+        else None
+    )
     report = {
         "data": {
             "source": meta.get("source", ""),
@@ -654,6 +764,7 @@ def train_drafter(
         "train_seconds": round(train_seconds, 1),
         "config": asdict(config),
         "val_top1_per_position": [round(a, 4) for a in agreement],
+        **({"val_top1_per_position_by_source": per_source} if per_source else {}),
         "expected_accepted_per_step": {
             str(k): round(expected_accepted(agreement[:k]), 3) for k in range(1, len(agreement) + 1)
         },
@@ -681,7 +792,20 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="corpus: 'stdlib' (Python's standard library source, default), 'site-packages' (packaged prose), "
         "or a folder of .py/.md/.txt files (repeatable)",
     )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="turn the corpus's Python functions into chat examples (instruction: complete this function; "
+        "answer: the function) in the target's chat template, as an instruct target sees code requests",
+    )
     p.add_argument("--features", default=None, help="features folder (default: <cache>/features/<target>-<data>)")
+    p.add_argument(
+        "--extra-features",
+        action="append",
+        default=[],
+        help="another features folder (made by an earlier run for this target) to train on too (repeatable)",
+    )
+    p.add_argument("--collect-only", action="store_true", help="collect the features, do not train")
     p.add_argument("--max-tokens", type=int, default=200_000, help="corpus tokens to run the target over")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--out", default=None, help="drafter folder (default: the folder --proposer KIND looks in)")
@@ -740,31 +864,44 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     sources = args.data or ["stdlib"]
     files = corpus_files(sources)  # bad sources fail before the model loads
+    for extra in args.extra_features:
+        if not (Path(extra) / FEATURES_META).is_file():
+            raise ValueError(f"--extra-features {extra}: no {FEATURES_META} there (collect features into it first)")
     random.Random(args.seed).shuffle(files)  # a sample across the corpus, not its first files alphabetically
     target_dir = resolve_model_dir(args.target, "target")
     target = load_model(target_dir, "target", args.dtype)
     tokenizer = load_tokenizer(target_dir)
     identity = target_identity(target)
-    tag = "-".join(Path(s).name or "corpus" for s in sources)
+    tag = "-".join(Path(s).name or "corpus" for s in sources) + ("-chat" if args.chat else "")
     features = (
         Path(args.features)
         if args.features
         else (cache_dir() / "features" / f"{identity['weights_hash']}-{tag}-{args.seq_len}")
     )
     print(f"train-drafter: {len(files)} corpus files ({', '.join(sources)}); features in {features}")
+    texts = read_texts(files)
     collect_features(
         target,
         tokenizer,
-        read_texts(files),
+        chat_texts(tokenizer, texts, args.seed) if args.chat else texts,
         features,
         args.max_tokens,
         args.seq_len,
         progress=not args.no_progress,
-        source=", ".join(sources),
+        source=", ".join(sources) + (" (chat examples of its functions)" if args.chat else ""),
     )
+    if args.collect_only:
+        print(f"train-drafter: features in {features} (--collect-only: no training)")
+        return 0
     out = Path(args.out) if args.out else default_drafter_dir(args.kind, target)
     report = train_drafter(
-        target, features, out, config, special_token_ids(tokenizer), resume=args.resume, progress=not args.no_progress
+        target,
+        [features, *args.extra_features],
+        out,
+        config,
+        special_token_ids(tokenizer),
+        resume=args.resume,
+        progress=not args.no_progress,
     )
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
     print(f"train-drafter: saved {args.kind} drafter in {out}")
