@@ -418,6 +418,23 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
     medusa = make_proposer("medusa", target=target).drafter
     assert make_proposer("eagle", target=target, drafter=str(folders["eagle"])).drafter is first
     assert make_proposer("medusa", target=target).drafter is medusa
+    # EAGLE behind prompt lookup, as the server's default proposer: the same tokens and acceptances as alone
+    options = {"drafter": str(folders["eagle"]), "prompt_lookup_min": 2}
+    assert measure_draft_cost(make_proposer("eagle", target=target, **options), target.config.vocab_size, 3) > 0
+    scheduler = make(models, tiny_tokenizer, proposer="eagle", proposer_options=options, speculation="on")
+    clients = [Client(p, 24, proposer="eagle", k=3, ignore_eos=True) for p in prompts(tiny_tokenizer)[:2]]
+    for c in clients:
+        scheduler.submit(c.req)
+    run(scheduler)
+    for c in clients:
+        assert c.tokens == target_only_greedy(target, c.req.prompt_ids, 24)
+        alone = SpeculativeGenerator(target, proposer=make_proposer("eagle", target=target, **options))
+        alone.eos_token_ids = frozenset()
+        result = alone.generate(c.req.prompt_ids, SamplingParams(max_new_tokens=24), 3)
+        assert result.stats.proposer == "eagle+lookup"
+        assert c.final.summary["speculative"]["accepted_tokens"] == result.stats.accepted_tokens
+        assert alone.proposer.lookup_steps > 0 and alone.proposer.model_steps > 0  # type: ignore[union-attr]
+        assert c.final.summary["speculative"]["accepted_tokens"] == result.stats.accepted_tokens
 
 
 def test_feature_proposers_without_a_drafter_are_not_offered(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:

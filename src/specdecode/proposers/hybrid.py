@@ -97,6 +97,8 @@ class LookupFirstProposer:
         self.needs_target_features = bool(getattr(model, "needs_target_features", False))
         if hasattr(model, "vocab_size"):  # the engine checks it against the target's
             self.vocab_size: int = model.vocab_size
+        if hasattr(model, "drafter"):  # a trained drafter (the server's cost probe feeds it features)
+            self.drafter = model.drafter
         self.reset()
 
     def reset(self) -> None:
