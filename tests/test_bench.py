@@ -306,3 +306,15 @@ def test_hf_assisted_with_another_draft_is_parsed_and_checked(models, tmp_path):
         parse_method("hf_assisted(num_tokens=3)")
     with pytest.raises((ModelNotFoundError, ValueError)):
         parse_method(f"hf_assisted(draft={tmp_path / 'missing'})")
+
+
+def test_a_label_names_a_method_with_options(models):
+    from specdecode.bench.methods import PROPOSERS, parse_method
+
+    method = parse_method("draft_model(prompt_lookup_min=2,label=draft+lookup)")
+    assert method.name == "draft+lookup" and method.uses_k
+    proposer = PROPOSERS["draft+lookup"](models)
+    assert proposer.name == "draft_model+lookup" and proposer.min_ngram == 2
+    for bad in ("a;b", "target", "x/y"):
+        with pytest.raises(ValueError, match="label="):
+            parse_method(f"prompt_lookup(max_ngram=2,label={bad})")

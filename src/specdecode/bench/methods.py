@@ -299,6 +299,8 @@ def split_methods(text: str) -> list[str]:
 def parse_method(text: str) -> Method:
     """The method named ``text``: a registered name, or ``PROPOSER(option=value,...)+SCHEDULE@TREE``.
 
+    The option ``label=NAME`` names the method in the reports (instead of ``text``).
+
     ``@TREE`` drafts token trees (:func:`specdecode.tree.parse_tree`: ``@tree16``,
     ``@dynamic:16``, ``@shape.json``); a tree method takes no k.
 
@@ -332,6 +334,14 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
         options[key] = _option_value(value)
     base = METHODS[name]
+    key = text
+    if "label" in options:  # a short name for the reports (a drafter path makes a long one)
+        key = str(options.pop("label"))
+        if not re.fullmatch(r"[\w.+-]+", key) or key in METHODS:
+            raise ValueError(
+                f"method {text!r}: label= must be letters, digits, '_', '.', '+' or '-' and not a method's name, "
+                f"got {key!r}"
+            )
     draft = options.pop("draft", None)
     if draft is not None:
         from specdecode.models.loading import resolve_model_dir
@@ -345,15 +355,15 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {name!r} takes no options")
         spec = LIBRARY[name]
         config = spec.make_config(**options)
-        PROPOSERS[text] = lambda models: spec.build(
+        PROPOSERS[key] = lambda models: spec.build(
             config,
             models.target,
             (models.other_draft(draft) if draft is not None else models.require_draft()) if spec.needs_draft else None,
         )
     else:
-        PROPOSERS[text] = PROPOSERS[name]
+        PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
-    return Method(text, _engine_run(text, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
+    return Method(key, _engine_run(key, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
 
 
 def _hf_assisted_with(text: str, options: str) -> Method:
