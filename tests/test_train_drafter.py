@@ -291,3 +291,23 @@ def test_training_on_several_feature_folders(target, tiny_tokenizer, features, t
         train_drafter(target, [features, other], tmp_path / "out2", config, progress=False)
     with pytest.raises(FileNotFoundError, match="features.json"):
         train_drafter(target, [features, tmp_path / "nowhere"], tmp_path / "out3", config, progress=False)
+
+
+def test_warm_start_takes_the_saved_weights_and_a_new_token_map(target, features, tmp_path):
+    first = TrainConfig(kind="eagle", draft_vocab_size=40, max_steps=3, val_every=10, save_every=10)
+    train_drafter(target, features, tmp_path / "a", first, progress=False)
+    saved = load_drafter(tmp_path / "a")
+    second = TrainConfig(kind="eagle", draft_vocab_size=30, max_steps=1, lr=1e-12, val_every=10, save_every=10)
+    train_drafter(target, features, tmp_path / "b", second, progress=False, init_from=tmp_path / "a")
+    warm = load_drafter(tmp_path / "b")
+    assert warm.head_ids.shape == (30,) and saved.head_ids.shape == (40,)
+    torch.testing.assert_close(warm.fc.weight, saved.fc.weight)  # lr ~ 0: the saved weights, unchanged
+    cold = load_drafter(tmp_path / "a")
+    train_drafter(target, features, tmp_path / "c", second, progress=False)
+    assert not torch.allclose(load_drafter(tmp_path / "c").fc.weight, cold.fc.weight)
+    with pytest.raises(ValueError, match="eagle"):
+        train_drafter(target, features, tmp_path / "d", TrainConfig(kind="medusa", draft_vocab_size=30, max_steps=1),
+                      progress=False, init_from=tmp_path / "a")  # fmt: skip
+    wide = TrainConfig(kind="eagle", draft_vocab_size=30, max_steps=1, intermediate_size=48)
+    with pytest.raises(ValueError, match="another shape"):
+        train_drafter(target, features, tmp_path / "e", wide, progress=False, init_from=tmp_path / "a")

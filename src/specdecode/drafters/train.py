@@ -61,6 +61,7 @@ from specdecode.drafters.heads import (
     EagleHead,
     MedusaHeads,
     build_drafter,
+    load_drafter,
     save_drafter,
     target_identity,
 )
@@ -558,6 +559,7 @@ def train_drafter(
     always_ids: list[int] | None = None,
     resume: bool = False,
     progress: bool = True,
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train a drafter on collected features; save it in ``out_dir``; return the training report.
 
@@ -569,6 +571,8 @@ def train_drafter(
         config: :class:`TrainConfig`.
         always_ids: token ids always in the token map (the tokenizer's special tokens).
         resume: continue from ``out_dir/checkpoint.pt`` if present.
+        init_from: a saved drafter of the same kind and shape to start from (warm start: its weights,
+            this run's token map, a fresh optimiser and schedule), e.g. to go on training on new data.
         progress: show a tqdm bar.
 
     Returns:
@@ -577,7 +581,8 @@ def train_drafter(
     Raises:
         ValueError: features made for another target or with unequal ``seq_len``, or too few sequences
             in a folder to hold some out.
-        FileNotFoundError: a folder without features.
+        FileNotFoundError: a folder without features, or ``init_from`` without a saved drafter.
+        ValueError: ``init_from`` holds a drafter of another kind, target or shape.
     """
     from tqdm.auto import tqdm
 
@@ -632,6 +637,8 @@ def train_drafter(
         config.kind, target, int(head_ids.shape[0]), config.num_heads, config.intermediate_size
     )
     drafter = build_drafter(drafter_config, head_ids)
+    if init_from is not None:
+        warm_start(drafter, init_from, target)
     target.requires_grad_(False)
     drafter.attach(target, check=False, dtype=torch.float32)
     drafter.train()
@@ -776,6 +783,24 @@ def train_drafter(
     return report
 
 
+def warm_start(drafter: MedusaHeads | EagleHead, folder: str | Path, target: PreTrainedModel) -> None:
+    """Copy the weights of the drafter saved in ``folder`` into ``drafter`` (its own token map is kept:
+    the LM-head rows come from the target at attach time, so a map change costs nothing).
+
+    Raises:
+        FileNotFoundError: no saved drafter there.
+        ValueError: another kind, or a weight of another shape (hidden or MLP size, number of heads).
+        IncompatibleModelsError: it was trained for another target.
+    """
+    saved = load_drafter(folder, target, kind=drafter.config.kind)
+    state = {k: v for k, v in saved.state_dict().items() if k != "head_ids" and not k.startswith("_target")}
+    own = drafter.state_dict()
+    wrong = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"init_from {folder}: weights of another shape or name ({wrong[:3]}); same options needed")
+    drafter.load_state_dict(state, strict=False)
+
+
 # ---------------------------------------------------------------- command line
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``specdecode train-drafter``."""
@@ -835,6 +860,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--time-budget-min", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this saved drafter's weights (same kind and sizes; new token map, optimiser, schedule)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train_drafter)
     return p
@@ -864,6 +894,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     sources = args.data or ["stdlib"]
     files = corpus_files(sources)  # bad sources fail before the model loads
+    if args.init_from is not None:
+        from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE
+
+        if not all((Path(args.init_from) / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE)):
+            raise ValueError(f"--init-from {args.init_from}: no saved drafter there ({CONFIG_FILE}, {WEIGHTS_FILE})")
     for extra in args.extra_features:
         if not (Path(extra) / FEATURES_META).is_file():
             raise ValueError(f"--extra-features {extra}: no {FEATURES_META} there (collect features into it first)")
@@ -901,6 +936,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         config,
         special_token_ids(tokenizer),
         resume=args.resume,
+        init_from=args.init_from,
         progress=not args.no_progress,
     )
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
