@@ -579,10 +579,10 @@ def train_drafter(
         the report saved in ``drafter.json`` under ``training``.
 
     Raises:
-        ValueError: features made for another target or with unequal ``seq_len``, or too few sequences
-            in a folder to hold some out.
+        ValueError: features made for another target or with unequal ``seq_len``, too few sequences
+            in a folder to hold some out, or ``init_from`` holding a drafter of another kind or shape.
         FileNotFoundError: a folder without features, or ``init_from`` without a saved drafter.
-        ValueError: ``init_from`` holds a drafter of another kind, target or shape.
+        IncompatibleModelsError: ``init_from`` holds a drafter trained for another target.
     """
     from tqdm.auto import tqdm
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specdecode.proposers.base import DraftTokens, Proposer
-from specdecode.proposers.prompt_lookup import find_continuation, find_continuations
+from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
 from specdecode.verify import VerifyResult
@@ -86,10 +86,7 @@ class LookupFirstProposer:
     """
 
     def __init__(self, model: Proposer, min_ngram: int, max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX) -> None:
-        if not isinstance(min_ngram, int) or min_ngram < 1:
-            raise ValueError(f"min_ngram must be an integer >= 1, got {min_ngram!r}")
-        if not isinstance(max_ngram, int) or max_ngram < min_ngram:
-            raise ValueError(f"max_ngram must be an integer >= min_ngram ({min_ngram}), got {max_ngram!r}")
+        PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)  # the bounds of prompt lookup's own options
         self.model = model
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
@@ -107,9 +104,6 @@ class LookupFirstProposer:
         self.lookup_steps = 0
         self.model_steps = 0
 
-    def _lookup(self, context: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        return find_continuation(context, num_tokens, self.max_ngram, self.min_ngram)  # (m,)
-
     def propose(
         self,
         context: torch.Tensor,
@@ -120,7 +114,7 @@ class LookupFirstProposer:
         """The continuation of the longest matching n-gram (up to ``num_tokens`` tokens, ``probs=None``)
         when the context's last ``min_ngram`` .. ``max_ngram`` tokens occurred earlier; else the model's
         draft. See :meth:`~specdecode.proposers.base.Proposer.propose`."""
-        ids = self._lookup(context, num_tokens)
+        ids = find_continuation(context, num_tokens, self.max_ngram, self.min_ngram)  # (m,)
         self._model_drafted = not ids.numel()
         if ids.numel():
             self.lookup_steps += 1
