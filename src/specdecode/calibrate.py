@@ -350,7 +350,11 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     c.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
     c.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="compute dtype; auto (default): bfloat16 where the CPU multiplies it natively (or on a GPU), else "
+        "float32 with oneDNN linears (specdecode.models.cpu)",
     )
     c.add_argument("--layers", help="comma list of exit layers, e.g. 4,8,12 (default: every 4th up to 3/4 depth)")
     c.add_argument("--prompts", help="prompts file: .jsonl ('prompt' per line) or text (blank-line separated)")

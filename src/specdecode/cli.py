@@ -23,7 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "tokenizer, drafts through cross_tokenizer) (default: Qwen2.5-Coder-0.5B-Instruct)",
     )
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="compute dtype; auto (default): bfloat16 where the CPU multiplies it natively (or on a GPU), else "
+        "float32 with oneDNN linears (specdecode.models.cpu)",
     )
 
 

@@ -147,7 +147,7 @@ class SpeculativeGenerator:
         cls,
         target: str | Path | None = None,
         draft: str | Path | None = None,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         proposer: str | None = "draft_model",
         **proposer_options: Any,
     ) -> SpeculativeGenerator:
@@ -160,7 +160,9 @@ class SpeculativeGenerator:
                 the default draft (Qwen2.5-Coder-0.5B-Instruct). Loaded only for proposers that need
                 one. With ``proposer="draft_model"``, a draft whose vocabulary differs from the
                 target's drafts through ``"cross_tokenizer"`` instead (a notice on stderr).
-            dtype: ``"bfloat16"`` or ``"float32"`` (or the torch dtype).
+            dtype: ``"auto"`` (bfloat16 where the CPU multiplies it natively, else float32 with
+                oneDNN linears: :mod:`specdecode.models.cpu`), ``"bfloat16"`` or ``"float32"`` (or
+                the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), or None for a target-only generator.
             proposer_options: the proposer's own options, fields of its config dataclass

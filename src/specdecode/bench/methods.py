@@ -91,6 +91,7 @@ class BenchModels:
     tokenizer: Any
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
     _drafts: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)
+    _targets: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
 
     def generator(self, proposer: str | None) -> SpeculativeGenerator:
         """Our engine on :attr:`target` with the named proposer (None: target only), built once.
@@ -134,6 +135,20 @@ class BenchModels:
         if spec not in self._drafts:
             self._drafts[spec] = load_model(spec, "draft", self.target.dtype)
         return self._drafts[spec]
+
+    def target_in(self, dtype: str) -> SpeculativeGenerator:
+        """Our engine, target only, on a second copy of :attr:`target` loaded in ``dtype`` (the
+        ``target(dtype=...)`` method: plain decoding in another dtype in the same run), loaded once.
+
+        Raises:
+            ValueError: an unknown dtype.
+        """
+        from specdecode.models.loading import load_model
+
+        if dtype not in self._targets:
+            model = load_model(self.target.config._name_or_path, "target", dtype)
+            self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
+        return self._targets[dtype]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -204,9 +219,11 @@ def register_method(method: Method) -> Method:
     return method
 
 
-def _engine_run(proposer: str | None, schedule: str = "constant", tree: str | None = None) -> RunFn:
+def _engine_run(
+    proposer: str | None, schedule: str = "constant", tree: str | None = None, dtype: str | None = None
+) -> RunFn:
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
-        generator = models.generator(proposer)
+        generator = models.generator(proposer) if dtype is None else models.target_in(dtype)
         sampling = settings.sampling()
         tic = time.perf_counter()
         result = generator.generate(
@@ -318,6 +335,8 @@ def parse_method(text: str) -> Method:
     match = _METHOD_SPEC.match(text)
     if match is not None and match["name"] == "hf_assisted" and match["options"]:
         return _hf_assisted_with(text, match["options"])
+    if match is not None and match["name"] == "target" and match["options"]:
+        return _target_in(text, match["options"])
     if match is None or match["name"] not in PROPOSERS:
         raise ValueError(f"unknown method {text!r}; choose from {sorted(METHODS)}, or PROPOSER(option=value)+SCHEDULE")
     name, schedule, tree = match["name"], match["schedule"] or "constant", match["tree"]
@@ -364,6 +383,21 @@ def parse_method(text: str) -> Method:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
     return Method(key, _engine_run(key, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
+
+
+def _target_in(text: str, options: str) -> Method:
+    """``target(dtype=DTYPE)``: plain decoding by our engine on a copy of the target in another dtype
+    (e.g. the bfloat16 baseline in a float32 run). Its speedup column still divides ``target``.
+
+    Raises:
+        ValueError: an option other than ``dtype=``, or an unknown dtype.
+    """
+    from specdecode.models.loading import DTYPE_CHOICES
+
+    key, sep, dtype = options.partition("=")
+    if key != "dtype" or not sep or dtype not in DTYPE_CHOICES:
+        raise ValueError(f"method {text!r}: target takes one option, dtype= one of {list(DTYPE_CHOICES)}")
+    return Method(text, _engine_run(None, dtype=dtype))
 
 
 def _hf_assisted_with(text: str, options: str) -> Method:

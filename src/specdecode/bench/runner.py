@@ -30,10 +30,14 @@ WARMUP_TOKENS = 8
 
 
 def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
-    """CPU and GPU names, library versions, torch's thread count, the load average (1, 5, 15 min:
-    other work on the machine skews every timing) and the command line."""
+    """CPU and GPU names, the CPU's vector capability and native bf16 matmul (which decide how a
+    pass over k + 1 tokens costs, :mod:`specdecode.models.cpu`), library versions, torch's thread
+    count, the load average (1, 5, 15 min: other work on the machine skews every timing) and the
+    command line."""
     import torch
     import transformers
+
+    from specdecode.models.cpu import native_bf16_matmul
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -46,6 +50,8 @@ def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
     return {
         "cpu": cpu,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16_matmul": native_bf16_matmul(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

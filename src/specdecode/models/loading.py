@@ -9,22 +9,30 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdecode.errors import ModelNotFoundError
+from specdecode.models.cpu import auto_dtype, use_onednn_linears
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` / ``"float32"`` (or the torch dtype) -> torch dtype.
+    """``"auto"`` / ``"bfloat16"`` / ``"float32"`` (or the torch dtype) -> torch dtype.
+
+    ``"auto"`` is :func:`specdecode.models.cpu.auto_dtype` for the CPU: bfloat16 where this CPU
+    multiplies bf16 natively, float32 otherwise (there a pass over k + 1 tokens costs k + 1
+    bf16 passes, which no speculation can win back).
 
     Raises:
         ValueError: any other value.
     """
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
+    if dtype == "auto":
+        return DTYPES[auto_dtype("cpu")]
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
 
 
 def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
@@ -57,14 +65,22 @@ def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
     return path
 
 
-def load_model(spec: str | Path | None, role: str, dtype: str | torch.dtype = "bfloat16") -> PreTrainedModel:
+def load_model(
+    spec: str | Path | None, role: str, dtype: str | torch.dtype = "auto", onednn: bool = True
+) -> PreTrainedModel:
     """Load a causal LM in ``dtype`` for inference (``spec`` as in :func:`resolve_model_dir`).
+
+    A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
+    few tokens (:func:`specdecode.models.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
+    default kernels).
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
     """
     torch_dtype = parse_dtype(dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
+    if onednn and torch_dtype == torch.float32:
+        use_onednn_linears(model)
     return model.eval()
 
 

@@ -1,0 +1,136 @@
+"""CPU compute paths (specdecode.models.cpu): oneDNN linears equal torch's, speculation through them
+stays lossless (greedy float32 equality, chains and trees; sampled marginals), ``--dtype auto``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.bench.methods import parse_method
+from specdecode.models import cpu
+from specdecode.models.cpu import auto_dtype, native_bf16_matmul, use_onednn_linears
+from specdecode.models.loading import parse_dtype
+from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+
+from conftest import make_tiny_model, perturbed_copy
+from reference import exact_marginals, target_only_greedy
+from stat_checks import P_MIN, chi_square_p
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42], [7, 8, 7, 8, 7]]
+
+
+@pytest.fixture
+def every_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny models' layers are far below the size threshold: route all of them."""
+    monkeypatch.setattr(cpu, "ONEDNN_MIN_WEIGHTS", 0)
+
+
+def routed(model: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    assert use_onednn_linears(model) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, cpu.ONEDNN_MAX_ROWS, cpu.ONEDNN_MAX_ROWS + 1])
+def test_onednn_linear_equals_torch_linear(every_linear: None, rows: int) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    x = torch.randn(1, rows, 48)  # (B, T, C)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert use_onednn_linears(layer) == 1
+    assert use_onednn_linears(layer) == 0  # idempotent
+    out = layer(x)
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_size_and_dtype_limits_leave_layers_alone() -> None:
+    small = torch.nn.Linear(16, 16)
+    assert use_onednn_linears(small) == 0  # under ONEDNN_MIN_WEIGHTS
+    assert "forward" not in vars(small)
+    big = torch.nn.Linear(1024, 1024, bias=False).bfloat16()
+    assert use_onednn_linears(big) == 0  # not float32
+    assert use_onednn_linears(torch.nn.Linear(1024, 1024)) == 1
+
+
+def test_routed_model_logits_equal_the_model(every_linear: None) -> None:
+    model = make_tiny_model(seed=3)
+    fast = routed(model)
+    ids = torch.tensor([PROMPTS[0]])  # (1, T)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_kind", ["identical", "unrelated", "perturbed"])
+def test_greedy_speculation_through_onednn_equals_target_only(every_linear: None, draft_kind: str) -> None:
+    """Greedy float32 equality with target-only decoding when target and draft run on oneDNN
+    linears: drafts that agree fully, never and partly; chains (k = 3) and a token tree."""
+    target = make_tiny_model(seed=0)
+    draft = {
+        "identical": copy.deepcopy(target),
+        "unrelated": make_tiny_model(seed=123),
+        "perturbed": perturbed_copy(target, noise=0.01),
+    }[draft_kind]
+    target, draft = routed(target), routed(draft)
+    spec = SpeculativeGenerator(target, draft)
+    sampling = SamplingParams(max_new_tokens=30)
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        expected = target_only_greedy(target, prompt, 30)
+        assert spec.generate(prompt, sampling, speculative=False).token_ids == expected
+        chain = spec.generate(prompt, sampling, num_speculative_tokens=3)
+        assert chain.token_ids == expected
+        assert spec.generate(prompt, sampling, tree="tree8").token_ids == expected
+        accepted, drafted = accepted + chain.stats.accepted_tokens, drafted + chain.stats.draft_tokens
+    rate = accepted / drafted
+    assert {"identical": rate == 1.0, "unrelated": rate < 0.2, "perturbed": 0.2 < rate < 0.95}[draft_kind], rate
+
+
+def test_prompt_lookup_through_onednn_equals_target_only(every_linear: None) -> None:
+    target = routed(make_tiny_model(seed=0))
+    spec = SpeculativeGenerator(target, proposer=PromptLookupProposer(PromptLookupConfig(max_ngram=3, min_ngram=1)))
+    for prompt in PROMPTS:
+        expected = target_only_greedy(target, prompt, 30)
+        assert spec.generate(prompt, SamplingParams(max_new_tokens=30), num_speculative_tokens=4).token_ids == expected
+
+
+def test_sampled_tokens_through_onednn_follow_the_target(every_linear: None) -> None:
+    """The first three sampled tokens (temperature 0.8, k = 2) follow the exact target-only
+    marginals of the routed target: chi-square p > P_MIN over 1,200 seeded samples per position."""
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=3)
+    target = routed(make_tiny_model(vocab_size=12, seed=5, init=0.3))
+    draft = routed(perturbed_copy(make_tiny_model(vocab_size=12, seed=5, init=0.3), noise=0.1, seed=6))
+    prompt = [3, 1, 4]
+    exact = exact_marginals(target, prompt, 3, sampling)
+    spec = SpeculativeGenerator(target, draft)
+    samples = [
+        spec.generate(prompt, SamplingParams(temperature=0.8, max_new_tokens=3, seed=s), num_speculative_tokens=2)
+        for s in range(1_200)
+    ]
+    rate = sum(r.stats.accepted_tokens for r in samples) / sum(r.stats.draft_tokens for r in samples)
+    assert 0.3 < rate < 0.95, rate
+    for pos in range(3):
+        assert chi_square_p([r.token_ids[pos] for r in samples], exact[pos]) > P_MIN, pos
+
+
+def test_auto_dtype_follows_the_cpu() -> None:
+    expected = "bfloat16" if native_bf16_matmul() else "float32"
+    assert auto_dtype("cpu") == expected
+    assert parse_dtype("auto") == {"bfloat16": torch.bfloat16, "float32": torch.float32}[expected]
+    assert auto_dtype("cuda") == "bfloat16"
+    with pytest.raises(ValueError, match="auto"):
+        parse_dtype("float16")
+
+
+def test_bench_target_in_another_dtype_method() -> None:
+    method = parse_method("target(dtype=bfloat16)")
+    assert method.name == "target(dtype=bfloat16)" and not method.uses_k
+    for bad in ("target(dtype=float16)", "target(precision=bfloat16)"):
+        with pytest.raises(ValueError, match="dtype="):
+            parse_method(bad)
