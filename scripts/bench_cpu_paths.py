@@ -54,8 +54,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,5,9,17")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul {native_bf16_matmul()}, "
-          f"threads {torch.get_num_threads()}")
+    print(
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul {native_bf16_matmul()}, "
+        f"threads {torch.get_num_threads()}"
+    )
     for name, (dtype, onednn) in PATHS.items():
         result = time_path(args.target, dtype, onednn, sizes, args.rounds)
         one = result[f"M={sizes[0]}"]
