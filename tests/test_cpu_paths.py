@@ -134,3 +134,15 @@ def test_bench_target_in_another_dtype_method() -> None:
     for bad in ("target(dtype=float16)", "target(precision=bfloat16)"):
         with pytest.raises(ValueError, match="dtype="):
             parse_method(bad)
+
+
+def test_cli_dtype_choices_are_the_loader_choices() -> None:
+    import argparse
+
+    from specdecode.cli import add_dtype_arg
+    from specdecode.models.loading import DTYPE_CHOICES
+
+    parser = argparse.ArgumentParser()
+    add_dtype_arg(parser)
+    action = next(a for a in parser._actions if a.dest == "dtype")
+    assert tuple(action.choices) == DTYPE_CHOICES and action.default == "auto"

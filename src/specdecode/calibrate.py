@@ -345,17 +345,13 @@ def render_table(cal: Calibration) -> Any:
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``calibrate-early-exit`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
+    from specdecode.cli import add_dtype_arg  # here: specdecode.cli imports this module
+
     c = subparsers.add_parser(
         "calibrate-early-exit", help="measure early-exit layers of the target on sample prompts; save the fastest"
     )
     c.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
-    c.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="compute dtype; auto (default): bfloat16 where the CPU multiplies it natively (or on a GPU), else "
-        "float32 with oneDNN linears (specdecode.models.cpu)",
-    )
+    add_dtype_arg(c)
     c.add_argument("--layers", help="comma list of exit layers, e.g. 4,8,12 (default: every 4th up to 3/4 depth)")
     c.add_argument("--prompts", help="prompts file: .jsonl ('prompt' per line) or text (blank-line separated)")
     c.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")

@@ -22,6 +22,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="draft: HF model folder, .gguf file or packaged name (smollm2: SmolLM2-135M-Instruct, another "
         "tokenizer, drafts through cross_tokenizer) (default: Qwen2.5-Coder-0.5B-Instruct)",
     )
+    add_dtype_arg(p)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--dtype {auto,bfloat16,float32}`` (:func:`specdecode.models.loading.parse_dtype`)."""
     p.add_argument(
         "--dtype",
         default="auto",

@@ -7,14 +7,15 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   AVX-NE-CONVERT: most laptops, AMD Zen 2/3, Intel client chips): torch 2.13 has no blocked bf16
   GEMM there (oneDNN refuses bf16, ``mkldnn_linear: bf16 path needs ...``) and multiplies row by
   row, so a pass over M tokens costs about M one-token passes. Measured on the project's 2-core
-  AMD EPYC (Zen 3): the default target's pass over 1 / 5 / 9 / 17 tokens takes 250 / 880 / 1,560 /
-  2,960 ms, and its prefill ~140 ms per prompt token. No proposer can win there: verifying 4
-  drafts costs 3.5 plain steps.
+  AMD EPYC (Zen 3, ``scripts/bench_cpu_paths.py``, docs/benchmarks.md): the default target's pass
+  over 1 / 5 / 9 / 17 tokens takes 226 / 848 / 1,482 / 2,795 ms, and a 300-token prefill 41 s.
+  No proposer can win there: verifying 4 drafts costs 3.75 plain steps.
 - **float32 through MKL** (torch's default CPU GEMM): blocked, but slow for few rows on AMD
-  (437 / 1,173 / 1,598 / 1,591 ms on the same machine).
-- **float32 through oneDNN** (:func:`use_onednn_linears`): 326 / 613 / 717 / 873 ms. A plain step
-  is 1.3x the bf16 one, but 17 tokens cost 2.7 plain steps instead of 12, so verification is
-  cheap enough for speculation (and token trees) to pay, and float32 is also the exact dtype.
+  (430 / 1,263 / 1,487 / 1,892 ms; prefill 10.4 s).
+- **float32 through oneDNN** (:func:`use_onednn_linears`): 365 / 610 / 687 / 861 ms (prefill
+  8.3 s). A plain step costs 1.3-1.6x the bf16 one, but 17 tokens cost 2.4 plain steps instead
+  of 12, so verification is cheap enough for speculation (and token trees) to pay, and float32 is
+  also the exact dtype.
 
 :func:`auto_dtype` picks bfloat16 where it is native (or on a GPU) and float32 otherwise;
 :func:`specdecode.models.loading.load_model` then routes the float32 model's large linears through
