@@ -45,6 +45,13 @@ from specdecode.verify import VerifyResult, verify, verify_tree
 MAX_SPECULATIVE_TOKENS = 64
 
 
+def draft_quantization(proposer: Proposer | None) -> str:
+    """``"int8"`` when ``proposer`` (or the model proposer a prompt-lookup hybrid wraps) drafts with
+    an int8 draft (:attr:`DraftModelProposer.quantization`), else ``"none"``."""
+    inner = getattr(proposer, "model", None)  # LookupFirstProposer wraps its model proposer
+    return str(getattr(proposer, "quantization", None) or getattr(inner, "quantization", None) or "none")
+
+
 @dataclass
 class GenerationResult:
     """What one ``generate`` call returns.
@@ -369,6 +376,7 @@ class SpeculativeGenerator:
             schedule=plan.kind if proposer else "none",
             tree=spec_tree.name if spec_tree else "none",
             dtype=self.dtype,
+            draft_quantization=draft_quantization(proposer),
             prompt_tokens=int(prompt_ids.shape[0]),
         )
         result = GenerationResult("", [], "length", stats)

@@ -21,6 +21,8 @@ class SpecStats:
         num_speculative_tokens: k, the most tokens proposed per step (0: no speculation).
         proposer: the proposer's name, or ``"none"`` for target-only decoding.
         dtype: the target's dtype, e.g. ``"bfloat16"``.
+        draft_quantization: ``"int8"`` when the draft model drafted with int8 linear layers
+            (:mod:`specdecode.models.quant`), else ``"none"``.
         schedule: how k was chosen per step (``"constant"``, ``"heuristic"``, ``"adaptive"``;
             ``"none"`` without speculation); with a varying k, ``num_speculative_tokens`` is its ceiling.
         tree: the token tree's name (``"none"`` for chains); with a tree, ``num_speculative_tokens``
@@ -45,6 +47,7 @@ class SpecStats:
     num_speculative_tokens: int = 0
     proposer: str = "none"
     dtype: str = "float32"
+    draft_quantization: str = "none"
     schedule: str = "none"
     tree: str = "none"
     plain_steps: int = 0
@@ -140,6 +143,7 @@ class SpecStats:
             "num_speculative_tokens": self.num_speculative_tokens,
             "proposer": self.proposer,
             "dtype": self.dtype,
+            "draft_quantization": self.draft_quantization,
             "schedule": self.schedule,
             "tree": self.tree,
             "plain_steps": self.plain_steps,

@@ -353,7 +353,7 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
         options[key] = _option_value(value)
     base = METHODS[name]
-    key = text
+    key = label = text  # key: the proposer's entry in PROPOSERS; label: the method's name in the reports
     if "label" in options:  # a short name for the reports (a drafter path makes a long one)
         key = str(options.pop("label"))
         if not re.fullmatch(r"[\w.+-]+", key) or key in METHODS:
@@ -361,6 +361,7 @@ def parse_method(text: str) -> Method:
                 f"method {text!r}: label= must be letters, digits, '_', '.', '+' or '-' and not a method's name, "
                 f"got {key!r}"
             )
+        label = key + (f"+{match['schedule']}" if match["schedule"] else "") + (f"@{tree}" if tree else "")
     draft = options.pop("draft", None)
     if draft is not None:
         from specdecode.models.loading import resolve_model_dir
@@ -382,7 +383,7 @@ def parse_method(text: str) -> Method:
     else:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
-    return Method(key, _engine_run(key, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
+    return Method(label, _engine_run(key, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
 
 
 def _target_in(text: str, options: str) -> Method:

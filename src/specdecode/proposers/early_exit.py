@@ -49,6 +49,8 @@ def default_exit_layer(num_layers: int) -> int:
 @dataclass(frozen=True)
 class EarlyExitConfig(DraftModelConfig):
     """Options of :class:`EarlyExitProposer`: every :class:`DraftModelConfig` option, plus the exit layer.
+    ``draft_quantization`` defaults to ``"none"`` here: ``"int8"`` drafts with a quantized copy of
+    the first layers and the head, no longer sharing the target's weights.
 
     Attributes:
         exit_layer: how many of the target's decoder layers draft, in [1, num_hidden_layers - 1]
@@ -60,6 +62,10 @@ class EarlyExitConfig(DraftModelConfig):
         ValueError: ``exit_layer`` is not None or an integer >= 1 (or a parent option is bad).
     """
 
+    draft_quantization: str | None = field(
+        default="none",
+        metadata={"help": "none (default: share the target's layers) or int8 (an int8 copy of the first layers)"},
+    )
     exit_layer: int | None = field(
         default=None,
         metadata={"help": "decoder layers that draft, in [1, layers - 1] (default: calibrated, else layers // 4)"},

@@ -1,0 +1,142 @@
+"""A cheaper draft on the CPU: dynamic int8 linear layers (torch's fbgemm / x86 quantized engine).
+
+A draft model need not be exact: verification by the target keeps the output lossless for any
+proposal (greedy: the target's argmax decides; sampling: rejection sampling uses the very ``q``
+the int8 draft sampled from). So the draft can trade a little agreement for speed, the way
+llama.cpp users pair a target with a more heavily quantized draft.
+
+:func:`quantize_int8` keeps every weight matrix as int8 with one scale per output channel and
+quantizes the activations of each call on the fly (``torch.ao.quantization.quantize_dynamic``
+with ``per_channel_dynamic_qconfig``: the int8 GEMM of fbgemm, blocked for few rows, a quarter
+of float32's bytes). The MLP's ``down_proj`` stays float32 by default: its inputs (the gated MLP
+activations) carry the large outlier channels that per-tensor activation scales cannot hold
+(Dettmers et al. 2022, LLM.int8(), arXiv 2208.07339; Xiao et al. 2023, SmoothQuant, arXiv
+2211.10438). Measured on the default draft (Qwen2.5-Coder-0.5B) over 1,024 tokens of Python
+source: the int8 copy's argmax agrees with the float32 draft's on 76% of positions when every
+linear is int8 and on 87% with ``down_proj`` kept float32 (79% of the weights int8).
+
+Speed on the project's 2-core AVX2 machine (a probe of the draft with every linear int8): one
+draft pass over 1 / 5 / 17 tokens cost 106 / 247 / 353 ms in float32 (oneDNN) and 48 / 52 / 124 ms
+in int8; ``python scripts/bench_cpu_paths.py --role draft --paths float32+onednn,int8`` measures
+the shipped setting (``down_proj`` float32) on a machine (docs/benchmarks.md).
+
+CPU only: torch's dynamic quantized linear has no CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from specdecode.models.cpu import use_onednn_linears
+
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, torch.nn.Module]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
+INT8_AUTO_MIN_PARAMETERS = 50_000_000  # "auto" leaves smaller drafts alone: the int8 GEMM pays for memory-bound layers
+INT8_KEEP_FLOAT = ("down_proj",)  # linear layers (by name suffix) left in float32
+
+
+def check_draft_quantization(value: str | None) -> str | None:
+    """``value`` if it is None (same as ``"none"``) or one of :data:`DRAFT_QUANTIZATIONS`.
+
+    Raises:
+        ValueError: anything else (the message names ``draft_quantization``).
+    """
+    if value is None or value in DRAFT_QUANTIZATIONS:
+        return value
+    raise ValueError(f"draft_quantization must be one of {list(DRAFT_QUANTIZATIONS)} or None, got {value!r}")
+
+
+def resolve_draft_quantization(value: str | None, model: torch.nn.Module) -> str:
+    """What ``draft_quantization`` means for this draft: ``"int8"`` or ``"none"``.
+
+    ``"auto"`` is ``"int8"`` for a float32 draft on the CPU with at least
+    :data:`INT8_AUTO_MIN_PARAMETERS` parameters (``--dtype auto`` gives float32 on CPUs without
+    native bfloat16, where the int8 draft measured 1.13x against 0.94x for the float32 one:
+    docs/benchmarks.md), else ``"none"`` (a bfloat16 or GPU draft, or a tiny one).
+
+    Raises:
+        ValueError: ``value`` is not a known setting.
+    """
+    value = check_draft_quantization(value)
+    if value is None or value == "none":
+        return "none"
+    if value == "int8":
+        return "int8"
+    params = list(model.parameters())
+    float32_cpu = bool(params) and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+    big = sum(p.numel() for p in params) >= INT8_AUTO_MIN_PARAMETERS
+    return "int8" if float32_cpu and big else "none"
+
+
+def quantize_int8(
+    model: torch.nn.Module,
+    keep_float: Sequence[str] = INT8_KEEP_FLOAT,
+    keep_head: bool = False,
+) -> torch.nn.Module:
+    """A copy of ``model`` whose ``nn.Linear`` layers compute in dynamic int8 (see the module docstring).
+
+    The copy is float32 (a bfloat16 model is converted first; embeddings and norms stay float32)
+    and takes and returns float32 activations as before; ``model`` is not modified. Layers left in
+    float32 keep (or get) the oneDNN few-row path of :func:`~specdecode.models.cpu.use_onednn_linears`.
+
+    Args:
+        model: a causal LM (or any module) on the CPU.
+        keep_float: name suffixes of linear layers to leave in float32 (default ``("down_proj",)``).
+        keep_head: also leave the output head (``get_output_embeddings()``) in float32, for callers
+            that read its weight (a reduced head over a token map copies rows of it).
+
+    Returns:
+        The quantized copy, in eval mode.
+
+    Raises:
+        ValueError: ``model`` has parameters off the CPU (no CUDA kernel), or no linear layer to quantize.
+    """
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
+        raise ValueError(f"draft_quantization='int8' runs on the CPU only; the draft is on {sorted(devices)}")
+    head = model.get_output_embeddings() if keep_head and isinstance(model, PreTrainedModel) else None
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module is not head
+        and not any(name == s or name.endswith("." + s) for s in keep_float)
+    ]
+    if not names:
+        raise ValueError("draft_quantization='int8': the draft has no linear layer left to quantize")
+    work = copy.deepcopy(model).float()
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    with warnings.catch_warnings():  # torch 2.13 points eager-mode quantization users at torchao
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(
+            work, dict.fromkeys(names, qconfig), dtype=torch.qint8, inplace=True
+        )
+    use_onednn_linears(quantized)
+    return quantized.eval()
+
+
+def shared_int8_copy(model: torch.nn.Module, keep_head: bool = False) -> torch.nn.Module:
+    """:func:`quantize_int8` of ``model`` with the default float layers, made once per model and
+    ``keep_head`` and then shared (while ``model`` lives): a server builds a proposer per request,
+    and each would otherwise copy and quantize the draft. The copy holds weights only; every
+    proposer keeps its own cache. Same arguments and errors as :func:`quantize_int8`."""
+    with _SHARED_LOCK:
+        copies = _SHARED.setdefault(model, {})
+        if keep_head not in copies:
+            copies[keep_head] = quantize_int8(model, keep_head=keep_head)
+        return copies[keep_head]
+
+
+def count_int8_linears(model: torch.nn.Module) -> int:
+    """How many dynamic int8 linear layers ``model`` has (0 for a float model)."""
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    return sum(isinstance(m, dynamic) for m in model.modules())

@@ -1,0 +1,211 @@
+"""The int8 draft (``draft_quantization="int8"``): the quantized copy itself, and losslessness of
+drafting with it (greedy float32 equality, chains and trees; sampled marginals)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.cli import main
+from specdecode.models import quant
+from specdecode.models.quant import count_int8_linears, quantize_int8, resolve_draft_quantization
+from specdecode.proposers import get_spec
+from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer
+
+from conftest import constant_target, make_tiny_model, perturbed_copy
+from reference import exact_marginals, target_only_greedy
+from stat_checks import P_MIN, chi_square_p
+
+PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42], [7]]
+NEW = 40
+INT8 = DraftModelConfig(draft_quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(tiny_pair) -> list[list[int]]:
+    return [target_only_greedy(tiny_pair["target"], p, NEW) for p in PROMPTS]
+
+
+# ---------------------------------------------------------------- the quantized copy
+def test_quantize_int8_copies_and_keeps_down_proj_and_the_source() -> None:
+    model = make_tiny_model(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantized = quantize_int8(model)
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    kinds = {name: type(m) for name, m in quantized.named_modules()}
+    layers = model.config.num_hidden_layers
+    assert count_int8_linears(quantized) == layers * 6 + 1  # q, k, v, o, gate, up per layer, and the head
+    assert all(kinds[f"model.layers.{i}.mlp.down_proj"] is torch.nn.Linear for i in range(layers))
+    assert kinds["lm_head"] is dynamic
+    assert count_int8_linears(quantize_int8(model, keep_head=True)) == layers * 6
+    assert count_int8_linears(quantize_int8(model, keep_float=())) == layers * 7 + 1
+    assert count_int8_linears(model) == 0  # the source is not touched
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        a, b = model(ids).logits, quantized(ids).logits
+    assert b.dtype == torch.float32 and b.shape == a.shape
+    assert not torch.equal(a, b)  # int8 arithmetic, not a float copy
+    assert float((a - b).abs().max()) < 0.1 * float(a.abs().max())  # but close to it
+
+
+def test_quantize_int8_converts_a_bfloat16_draft_and_refuses_other_devices() -> None:
+    model = make_tiny_model(seed=0).to(torch.bfloat16)
+    quantized = quantize_int8(model)
+    assert model.dtype == torch.bfloat16 and quantized.dtype == torch.float32
+    with torch.inference_mode():
+        assert quantized(torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_int8(make_tiny_model(seed=0).to("meta"))
+    with pytest.raises(ValueError, match="no linear layer"):
+        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)), keep_float=("0",))
+
+
+def test_the_option_is_checked_and_taken_from_the_command_line() -> None:
+    spec = get_spec("draft_model")
+    assert spec.make_config().draft_quantization == "auto"
+    for value in ("auto", "none", "int8", None):
+        assert spec.make_config(draft_quantization=value).draft_quantization == value
+    for bad in ("int4", "", 8):
+        with pytest.raises(ValueError, match="draft_quantization"):
+            spec.make_config(draft_quantization=bad)
+    assert EarlyExitConfig().draft_quantization == "none"  # early exit shares the target's weights by default
+    assert EarlyExitConfig(exit_layer=1, draft_quantization="int8").draft_quantization == "int8"
+
+
+def test_auto_quantizes_large_float32_cpu_drafts_only(monkeypatch) -> None:
+    model = make_tiny_model(seed=0)
+    size = sum(p.numel() for p in model.parameters())
+    assert resolve_draft_quantization("auto", model) == "none"  # tiny: left alone
+    assert resolve_draft_quantization("int8", model) == "int8"
+    assert resolve_draft_quantization(None, model) == resolve_draft_quantization("none", model) == "none"
+    monkeypatch.setattr(quant, "INT8_AUTO_MIN_PARAMETERS", size)
+    assert resolve_draft_quantization("auto", model) == "int8"  # as large as the threshold, float32, CPU
+    assert resolve_draft_quantization("auto", model.to(torch.bfloat16)) == "none"  # bf16 (or GPU): as loaded
+    proposer = DraftModelProposer(make_tiny_model(seed=0))  # the default config is "auto"
+    assert proposer.quantization == "int8" and count_int8_linears(proposer.runner.model) > 0
+    with pytest.raises(ValueError, match="draft_quantization"):
+        resolve_draft_quantization("int4", model)
+
+
+# ---------------------------------------------------------------- lossless: greedy, chains and trees
+@pytest.mark.parametrize("draft_name", ["identical", "unrelated", "perturbed"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_chain_equals_the_target_alone(tiny_pair, greedy_outputs, draft_name, k) -> None:
+    proposer = DraftModelProposer(tiny_pair[draft_name], INT8)
+    assert count_int8_linears(proposer.runner.model) > 0
+    spec = SpeculativeGenerator(tiny_pair["target"], proposer=proposer)
+    accepted = drafted = 0
+    for prompt, expected in zip(PROMPTS, greedy_outputs, strict=True):
+        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k)
+        assert result.token_ids == expected
+        accepted, drafted = accepted + result.stats.accepted_tokens, drafted + result.stats.draft_tokens
+    if draft_name == "unrelated":
+        assert accepted < 0.2 * drafted
+    else:  # an int8 copy of the target (or of a near copy) agrees on many tokens
+        assert 0.25 * drafted < accepted <= drafted
+
+
+@pytest.mark.parametrize("tree", ["tree8", "dynamic:8"])
+@pytest.mark.parametrize("draft_name", ["identical", "unrelated", "perturbed"])
+def test_greedy_trees_equal_the_target_alone(tiny_pair, greedy_outputs, draft_name, tree) -> None:
+    spec = SpeculativeGenerator(tiny_pair["target"], proposer=DraftModelProposer(tiny_pair[draft_name], INT8))
+    accepted = 0
+    for prompt, expected in zip(PROMPTS, greedy_outputs, strict=True):
+        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), tree=tree)
+        assert result.token_ids == expected
+        accepted += result.stats.accepted_tokens
+    if draft_name != "unrelated":
+        assert accepted > 0
+
+
+def test_a_fully_agreeing_int8_draft_is_always_accepted() -> None:
+    """The constant target's logits are exactly 0 (zeroed final norm), so its int8 copy's are too:
+    every drafted 0 is accepted. (Chains only: with all logits tied, a tree's ranking of the
+    candidates is arbitrary; trees are checked with the partly agreeing drafts above.)"""
+    target = constant_target()
+    spec = SpeculativeGenerator(target, proposer=DraftModelProposer(target, INT8))
+    for k in (1, 4):
+        result = spec.generate([3, 4, 5], SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k)
+        assert result.token_ids == [0] * NEW
+        stats = result.stats
+        assert stats.accepted_per_position == stats.drafted_per_position and stats.accepted_tokens > 0
+
+
+def test_int8_with_a_token_map_and_the_early_exit_proposer(tmp_path, tiny_pair, greedy_outputs) -> None:
+    from specdecode.proposers.token_map import save_token_map
+
+    path = str(save_token_map(torch.arange(60), tmp_path / "map.npy"))
+    target = tiny_pair["target"]
+    mapped = DraftModelProposer(tiny_pair["perturbed"], DraftModelConfig(draft_quantization="int8", token_map=path))
+    assert type(mapped.runner.model.lm_head) is torch.nn.Linear  # the reduced head copies its rows
+    early = EarlyExitProposer(target, EarlyExitConfig(exit_layer=1, draft_quantization="int8"))
+    assert count_int8_linears(early.runner.model) > 0 and count_int8_linears(target) == 0
+    for proposer in (mapped, early):
+        spec = SpeculativeGenerator(target, proposer=proposer)
+        for prompt, expected in zip(PROMPTS, greedy_outputs, strict=True):
+            for tree in (None, "dynamic:6"):
+                result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=3, tree=tree)
+                assert result.token_ids == expected
+
+
+# ---------------------------------------------------------------- lossless: sampling
+V_SMALL = 12
+SAMPLING = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("tree", [None, "tree8"])
+def test_sampled_tokens_follow_the_target(tree) -> None:
+    """Temperature 0.8, top-k 9, top-p 0.95, k = 2 (or the tree8 shape, width > 1): the first three
+    tokens drafted by an int8 near-copy of the target follow the exact target marginals
+    (chi-square p > P_MIN, 1,000 seeded samples), with part of the drafts accepted."""
+    target = make_tiny_model(vocab_size=V_SMALL, seed=5, init=0.3)
+    draft = perturbed_copy(target, noise=0.1, seed=6)
+    prompt = [3, 1, 4]
+    exact = exact_marginals(target, prompt, 3, SAMPLING)
+    spec = SpeculativeGenerator(target, proposer=DraftModelProposer(draft, INT8))
+    samples = [
+        spec.generate(prompt, SamplingParams(**{**SAMPLING.__dict__, "seed": s}), num_speculative_tokens=2, tree=tree)
+        for s in range(1_000)
+    ]
+    drafted = sum(r.stats.draft_tokens for r in samples)
+    accepted = sum(r.stats.accepted_tokens for r in samples)
+    steps = sum(r.stats.drafts for r in samples)
+    assert drafted >= 1_000 and 0.2 * steps < accepted < drafted, (accepted, steps, drafted)
+    for pos in range(3):
+        tokens = [r.token_ids[pos] for r in samples]
+        assert chi_square_p(tokens, exact[pos]) > P_MIN, f"position {pos} differs from the target's"
+
+
+# ---------------------------------------------------------------- command line
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    for name, model in (("target", target), ("draft", perturbed_copy(target, noise=0.01))):
+        model.save_pretrained(root / name)
+        tiny_tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def test_cli_generates_exactly_with_an_int8_draft(model_dirs, capsys) -> None:
+    target, draft = model_dirs
+    args = ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft), "--dtype", "float32"]
+    args += ["--max-new-tokens", "16", "-k", "3", "--json", "--compare", "--draft-quantization", "int8"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical"] is True and out["accepted_tokens"] > 0
+    assert main([*args[:-1], "int4"]) == 2
+    assert "draft_quantization" in capsys.readouterr().err
+
+
+def test_proposers_of_one_draft_share_its_int8_copy(tiny_pair) -> None:
+    """A server builds a proposer per request: the draft is quantized once, the caches are separate."""
+    draft = tiny_pair["perturbed"]
+    a, b = DraftModelProposer(draft, INT8), DraftModelProposer(draft, INT8)
+    assert a.runner.model is b.runner.model and a.runner is not b.runner
+    assert DraftModelProposer(make_tiny_model(seed=9), INT8).runner.model is not a.runner.model
