@@ -15,10 +15,12 @@ activations) carry the large outlier channels that per-tensor activation scales 
 source: the int8 copy's argmax agrees with the float32 draft's on 76% of positions when every
 linear is int8 and on 87% with ``down_proj`` kept float32 (79% of the weights int8).
 
-Speed on the project's 2-core AVX2 machine (a probe of the draft with every linear int8): one
-draft pass over 1 / 5 / 17 tokens cost 106 / 247 / 353 ms in float32 (oneDNN) and 48 / 52 / 124 ms
-in int8; ``python scripts/bench_cpu_paths.py --role draft --paths float32+onednn,int8`` measures
-the shipped setting (``down_proj`` float32) on a machine (docs/benchmarks.md).
+Speed on the project's 2-core AVX2 machine (``python scripts/bench_cpu_paths.py --role draft
+--paths float32+onednn,int8 --rounds 3``, docs/benchmarks.md): one pass of the default draft over
+1 / 5 / 9 / 17 tokens costs 101 / 228 / 244 / 346 ms in float32 (oneDNN) and 79 / 115 / 132 /
+170 ms in int8 (prefill of 300 tokens: 2.5 s and 1.4 s). In the bench the draft cost ratio c fell
+from 0.239 to 0.147 with the same mean acceptance length (3.40 and 3.42), and ``draft_model`` went
+from 0.87x to 1.05x of the target alone over the seven dev categories.
 
 CPU only: torch's dynamic quantized linear has no CUDA kernel.
 """
@@ -60,8 +62,8 @@ def resolve_draft_quantization(value: str | None, model: torch.nn.Module) -> str
 
     ``"auto"`` is ``"int8"`` for a float32 draft on the CPU with at least
     :data:`INT8_AUTO_MIN_PARAMETERS` parameters (``--dtype auto`` gives float32 on CPUs without
-    native bfloat16, where the int8 draft measured 1.13x against 0.94x for the float32 one:
-    docs/benchmarks.md), else ``"none"`` (a bfloat16 or GPU draft, or a tiny one).
+    native bfloat16, where the int8 draft measured 1.05x against 0.87x for the float32 one:
+    docs/benchmarks.md, "An int8 draft"), else ``"none"`` (a bfloat16 or GPU draft, or a tiny one).
 
     Raises:
         ValueError: ``value`` is not a known setting.
