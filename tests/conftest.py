@@ -106,6 +106,18 @@ def tiny_target() -> Qwen2ForCausalLM:
     return make_tiny_model(seed=0)
 
 
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tiny_tokenizer):
+    """Folders (target, draft) of a tiny target and a perturbed copy as draft, saved with the tiny
+    tokenizer, for command-line tests (one pair per test module)."""
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    for name, model in (("target", target), ("draft", perturbed_copy(target, noise=0.01))):
+        model.save_pretrained(root / name)
+        tiny_tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_target: Qwen2ForCausalLM) -> dict[str, Qwen2ForCausalLM]:
     """Target and three drafts: identical (all accepted), unrelated (almost none), perturbed (part)."""

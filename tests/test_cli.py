@@ -8,19 +8,6 @@ import pytest
 
 from specdecode.cli import main
 
-from conftest import make_tiny_model, perturbed_copy
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("models")
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    draft = perturbed_copy(target, noise=0.01)
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        tiny_tokenizer.save_pretrained(root / name)
-    return root / "target", root / "draft"
-
 
 def run_json(capsys, *args: str) -> dict:
     assert main(["generate", *args, "--json", "--dtype", "float32"]) == 0

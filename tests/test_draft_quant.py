@@ -182,16 +182,6 @@ def test_sampled_tokens_follow_the_target(tree) -> None:
 
 
 # ---------------------------------------------------------------- command line
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("models")
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    for name, model in (("target", target), ("draft", perturbed_copy(target, noise=0.01))):
-        model.save_pretrained(root / name)
-        tiny_tokenizer.save_pretrained(root / name)
-    return root / "target", root / "draft"
-
-
 def test_cli_generates_exactly_with_an_int8_draft(model_dirs, capsys) -> None:
     target, draft = model_dirs
     args = ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft), "--dtype", "float32"]

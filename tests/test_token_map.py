@@ -331,16 +331,6 @@ def test_models_a_reduced_head_cannot_serve(tmp_path, tiny_target) -> None:
 
 
 # ---------------------------------------------------------------- command line
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("models")
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    for name, model in (("target", target), ("draft", perturbed_copy(target, noise=0.01))):
-        model.save_pretrained(root / name)
-        tiny_tokenizer.save_pretrained(root / name)
-    return root / "target", root / "draft"
-
-
 def test_cli_options_reach_the_proposer(model_dirs, tmp_path, capsys, monkeypatch) -> None:
     built: list[DraftModelProposer] = []
     init = DraftModelProposer.__init__

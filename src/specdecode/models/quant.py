@@ -37,6 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.models.cpu import use_onednn_linears
+from specdecode.models.runner import ModelRunner
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, torch.nn.Module]] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -130,11 +131,15 @@ def shared_int8_copy(model: torch.nn.Module, keep_head: bool = False) -> torch.n
     """:func:`quantize_int8` of ``model`` with the default float layers, made once per model and
     ``keep_head`` and then shared (while ``model`` lives): a server builds a proposer per request,
     and each would otherwise copy and quantize the draft. The copy holds weights only; every
-    proposer keeps its own cache. Same arguments and errors as :func:`quantize_int8`."""
+    proposer keeps its own cache. For token trees the copy inherits the float model's attention-mask
+    check (:meth:`~specdecode.models.runner.ModelRunner.share_masking_check`), run here once.
+    Same arguments and errors as :func:`quantize_int8`."""
     with _SHARED_LOCK:
         copies = _SHARED.setdefault(model, {})
         if keep_head not in copies:
             copies[keep_head] = quantize_int8(model, keep_head=keep_head)
+            if isinstance(model, PreTrainedModel):
+                ModelRunner(model).share_masking_check(copies[keep_head])
         return copies[keep_head]
 
 
