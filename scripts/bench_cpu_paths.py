@@ -1,14 +1,18 @@
 """Target (or draft) pass time over M tokens for each CPU compute path (specdecode.models.cpu).
 
 Loads the model once per path (bfloat16; float32 on torch's default kernels; float32 with oneDNN
-linears; the dynamic int8 copy a draft gets from ``draft_quantization="int8"``,
-specdecode.models.quant), prefills a random 300-token context, then times passes over
-M = 1, 5, 9, 17 new tokens (rolled back after each), the sizes interleaved round by round.
+linears on the plain weights, ``float32+onednn``, or on prepacked ones for multi-token passes,
+``float32+packed``, the default of specdecode.models.cpu.use_onednn_linears; the dynamic int8 copy
+a draft gets from ``draft_quantization="int8"``, specdecode.models.quant), prefills a random
+300-token context, then times passes over M = 1, 5, 9, 17 new tokens (rolled back after each),
+the sizes interleaved round by round. ``float32+onednn`` and ``float32+packed`` share one loaded
+model and are interleaved pass by pass (a side-by-side comparison on a machine that drifts).
 Prints the median per size and the ratio to the path's own one-token pass. A ratio near 1 at
 M = 5 is what speculative decoding needs; near M it means the path multiplies row by row.
 
     python scripts/bench_cpu_paths.py [--target DIR] [--rounds 5] [--sizes 1,5,9,17]
     python scripts/bench_cpu_paths.py --role draft --paths float32+onednn,int8
+    python scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed --sizes 1,2,5,9,17
 """
 
 from __future__ import annotations
@@ -28,34 +32,50 @@ PATHS = {
     "bfloat16": ("bfloat16", False),
     "float32": ("float32", False),
     "float32+onednn": ("float32", True),
+    "float32+packed": ("float32", True),
     "int8": ("float32", True),  # then quantize_int8 (down_proj stays float32 + oneDNN)
 }
+SHARED = ("float32+onednn", "float32+packed")  # one model, packing switched per pass
 
 
-def time_path(spec: str | None, role: str, path: str, sizes: list[int], rounds: int) -> dict[str, float]:
-    dtype, onednn = PATHS[path]
+def _set_packing(model: torch.nn.Module, on: bool, saved: dict[int, object]) -> None:
+    """Switch the prepacked multi-row weights of a routed model off (moving them aside) or on."""
+    for module in model.modules():
+        if on and id(module) in saved:
+            module._specdecode_packed = saved.pop(id(module))  # type: ignore[assignment]
+        elif not on and "_specdecode_packed" in vars(module):
+            saved[id(module)] = vars(module).pop("_specdecode_packed")
+
+
+def time_paths(
+    spec: str | None, role: str, paths: list[str], sizes: list[int], rounds: int
+) -> dict[str, dict[str, float]]:
+    """Times ``paths`` that load alike on one model, interleaved pass by pass (see the docstring)."""
+    dtype, onednn = PATHS[paths[0]]
     model = load_model(spec, role, dtype, onednn=onednn)
-    if path == "int8":
+    if paths == ["int8"]:
         model = quantize_int8(model)
+    saved: dict[int, object] = {}
     runner = ModelRunner(model)
     g = torch.Generator().manual_seed(0)
     context = torch.randint(100, 20_000, (300,), generator=g)  # (300,)
     tic = time.perf_counter()
     runner.forward(context)
-    out = {"prefill 300": time.perf_counter() - tic}
+    prefill = time.perf_counter() - tic
     base = runner.length
-    times: dict[int, list[float]] = {m: [] for m in sizes}
-    for r in range(rounds + 1):  # round 0 warms up
+    times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in paths for m in sizes}
+    for r in range(rounds + 1):  # round 0 warms up (and prepacks)
         for m in sizes:
-            ids = torch.randint(100, 20_000, (m,), generator=g)  # (M,)
-            tic = time.perf_counter()
-            runner.forward(ids, num_logits=m)
-            if r:
-                times[m].append(time.perf_counter() - tic)
-            runner.truncate(base)
-    out |= {f"M={m}": statistics.median(v) for m, v in times.items()}
+            for path in paths:
+                _set_packing(model, path != "float32+onednn", saved)
+                ids = torch.randint(100, 20_000, (m,), generator=g)  # (M,)
+                tic = time.perf_counter()
+                runner.forward(ids, num_logits=m)
+                if r:
+                    times[path, m].append(time.perf_counter() - tic)
+                runner.truncate(base)
     del runner, model
-    return out
+    return {p: {"prefill 300": prefill} | {f"M={m}": statistics.median(times[p, m]) for m in sizes} for p in paths}
 
 
 def main() -> None:
@@ -75,8 +95,13 @@ def main() -> None:
     if set(paths) - set(PATHS):
         parser.error(f"--paths must name some of {list(PATHS)}, got {args.paths!r}")
     print(f"{args.role}: {args.model or 'default'}")
+    shared = [p for p in paths if p in SHARED]
+    groups = [[p] for p in paths if p not in SHARED] + ([shared] if shared else [])
+    results = {}
+    for group in groups:
+        results |= time_paths(args.model, args.role, group, sizes, args.rounds)
     for name in paths:
-        result = time_path(args.model, args.role, name, sizes, args.rounds)
+        result = results[name]
         one = result[f"M={sizes[0]}"]
         cells = [f"prefill 300: {result['prefill 300']:.1f} s"]
         cells += [f"M={m}: {1000 * result[f'M={m}']:.0f} ms ({result[f'M={m}'] / one:.2f}x)" for m in sizes]

@@ -50,6 +50,69 @@ def test_onednn_linear_equals_torch_linear(every_linear: None, rows: int) -> Non
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 17, cpu.ONEDNN_MAX_ROWS])
+def test_prepacked_weight_equals_torch_linear_and_follows_weight_changes(every_linear: None, rows: int) -> None:
+    """Multi-row calls go through a prepacked copy of the weight: same result as F.linear, the copy
+    is made once, remade after an in-place change or a new weight, absent from the state dict and
+    not carried by deepcopy; one-row calls use the plain weight and calls that need gradients
+    F.linear (oneDNN's op has no backward: it used to drop the weight's gradient silently)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    x = torch.randn(1, rows, 48)  # (B, T, C)
+    assert use_onednn_linears(layer) == 1 and cpu.packed_layers(layer) == 0
+    with torch.no_grad():
+        layer(x[:, :1])  # one row: no copy
+        assert cpu.packed_layers(layer) == 0
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert cpu.packed_layers(layer) == 1
+        first = layer._specdecode_packed.weight
+        layer(x)
+        assert layer._specdecode_packed.weight is first  # made once
+        layer.weight.mul_(-2.0)  # in place: the version changes
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(80, 48))  # a new tensor
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    twin = copy.deepcopy(layer)
+    assert cpu.packed_layers(twin) == 0 and cpu.packed_layers(layer) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-5)
+    out = layer(x)  # gradients wanted: F.linear, so backward works
+    out.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, x.sum(dim=(0, 1)).expand(80, 48))
+
+
+def test_packing_can_be_left_off(every_linear: None) -> None:
+    layer = torch.nn.Linear(48, 80)
+    assert use_onednn_linears(layer, pack=False) == 1
+    with torch.no_grad():
+        layer(torch.randn(5, 48))
+    assert cpu.packed_layers(layer) == 0
+
+
+def test_no_packed_copy_without_memory_to_spare(every_linear: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing is decided once per model, all layers or none: copies that would leave less than
+    pack_reserve() bytes available are not made (here one layer's copy would fit, both do not),
+    and the layers compute the same on their plain weights. A deepcopy decides afresh."""
+    real = cpu.available_memory()
+    assert real is None or real > 0
+    assert cpu.pack_reserve() >= cpu.ONEDNN_PACK_RESERVE
+    model = torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.Linear(80, 48))
+    one_copy = 80 * 48 * 4  # bytes of one layer's weight
+    monkeypatch.setattr(cpu, "available_memory", lambda: cpu.pack_reserve() + one_copy + 100)
+    x = torch.randn(5, 48)
+    assert use_onednn_linears(model) == 2
+    with torch.no_grad():
+        expected = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    assert cpu.packed_layers(model) == 0
+    twin = copy.deepcopy(model)
+    monkeypatch.setattr(cpu, "available_memory", lambda: cpu.pack_reserve() + 2 * one_copy)
+    with torch.no_grad():
+        twin(x), model(x)
+    assert cpu.packed_layers(twin) == 2 and cpu.packed_layers(model) == 0  # the original keeps its decision
+
+
 def test_size_and_dtype_limits_leave_layers_alone() -> None:
     small = torch.nn.Linear(16, 16)
     assert use_onednn_linears(small) == 0  # under ONEDNN_MIN_WEIGHTS
@@ -88,6 +151,7 @@ def test_greedy_speculation_through_onednn_equals_target_only(every_linear: None
         assert chain.token_ids == expected
         assert spec.generate(prompt, sampling, tree="tree8").token_ids == expected
         accepted, drafted = accepted + chain.stats.accepted_tokens, drafted + chain.stats.draft_tokens
+    assert cpu.packed_layers(target) > 0  # the verification passes ran on prepacked weights
     rate = accepted / drafted
     assert {"identical": rate == 1.0, "unrelated": rate < 0.2, "perturbed": 0.2 < rate < 0.95}[draft_kind], rate
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,15 @@ def load_model(
 
     A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
     few tokens (:func:`specdecode.models.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
-    default kernels).
+    default kernels). Routed layers refer to themselves (their bound ``forward``), so a dropped
+    model is freed by Python's cycle collector, not at once: a collection runs here first, so
+    that a model loaded after another has been dropped does not find its memory still taken.
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
     """
     torch_dtype = parse_dtype(dtype)
+    gc.collect()  # dropped models with routed layers (reference cycles) give their memory back now
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
