@@ -1,11 +1,14 @@
 """What does a reduced draft LM head (a token map, FR-Spec) save per drafted token on this machine?
 
 For the default draft model: (1) the head alone, ``F.linear`` of one row against the first N rows
-of the map (and the full head); (2) a whole one-token draft step (``ModelRunner.forward`` after a
-short prompt) with the full head and with N-token heads, the arms alternating ``--rounds`` times
-so that drift of the machine hits all alike. Prints medians in milliseconds.
+of the map (and the full head); (2) a whole one-token draft step (the runner of a
+``DraftModelProposer`` built as ``draft_model`` builds it, so with ``--draft-quantization auto`` a
+float32 draft on an AVX2 CPU drafts int8, its reduced head int8 too) with the full head and with
+N-token heads, the arms alternating ``--rounds`` times so that drift of the machine hits all
+alike. Prints medians in milliseconds.
 
 Usage: python scripts/bench_reduced_head.py [--sizes 32768,65536] [--rounds 8] [--steps 16] [--reps 50]
+       [--dtype auto] [--draft-quantization auto]
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import torch
 from bench_linear_rows import time_linear  # this script's folder is on sys.path
 
 from specdecode.models.loading import load_model
+from specdecode.models.quant import DRAFT_QUANTIZATIONS
 from specdecode.models.runner import ModelRunner
+from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.token_map import load_token_map
 
 
-def step_time(model: torch.nn.Module, head_ids: torch.Tensor | None, prompt: torch.Tensor, steps: int) -> float:
+def step_time(runner: ModelRunner, prompt: torch.Tensor, steps: int) -> float:
     """Median seconds of a one-token forward after ``prompt``, over ``steps`` steps."""
-    runner = ModelRunner(model, head_ids=head_ids)
+    runner.reset()
     samples = []
     with torch.inference_mode():
         logits = runner.forward(prompt, num_logits=1)
@@ -40,7 +45,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="32768,65536", help="N of the reduced heads (first N ids of the map)")
     p.add_argument("--token-map", default="default")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--reps", type=int, default=50)
@@ -54,12 +60,19 @@ def main() -> None:
     for n in [weight.shape[0], *sizes]:
         w = weight if n == weight.shape[0] else weight[full_map[:n]].contiguous()
         print(f"head {n:>6} rows: {1000 * time_linear(w, 1, args.reps):.2f} ms")
-    arms: dict[str, torch.Tensor | None] = {"full": None, **{str(n): full_map[:n] for n in sizes}}
+    configs = {"full": DraftModelConfig(draft_quantization=args.draft_quantization)}
+    for n in sizes:
+        configs[str(n)] = DraftModelConfig(
+            token_map=args.token_map, draft_vocab_size=n, draft_quantization=args.draft_quantization
+        )
+    proposers = {name: DraftModelProposer(model, config) for name, config in configs.items()}
+    head = proposers[str(sizes[0])].runner.head_module if sizes else None
+    print(f"draft quantization: {proposers['full'].quantization}; reduced head {type(head).__name__}")
     prompt = torch.randint(0, 1000, (32,))
-    times: dict[str, list[float]] = {name: [] for name in arms}
+    times: dict[str, list[float]] = {name: [] for name in proposers}
     for _ in range(args.rounds):
-        for name, ids in arms.items():
-            times[name].append(step_time(model, ids, prompt, args.steps))
+        for name, proposer in proposers.items():
+            times[name].append(step_time(proposer.runner, prompt, args.steps))
     base = statistics.median(times["full"])
     for name, samples in times.items():
         med = statistics.median(samples)

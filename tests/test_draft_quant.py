@@ -141,8 +141,12 @@ def test_int8_with_a_token_map_and_the_early_exit_proposer(tmp_path, tiny_pair, 
 
     path = str(save_token_map(torch.arange(60), tmp_path / "map.npy"))
     target = tiny_pair["target"]
-    mapped = DraftModelProposer(tiny_pair["perturbed"], DraftModelConfig(draft_quantization="int8", token_map=path))
+    config = DraftModelConfig(draft_quantization="int8", token_map=path)
+    mapped = DraftModelProposer(tiny_pair["perturbed"], config)
     assert type(mapped.runner.model.lm_head) is torch.nn.Linear  # the reduced head copies its rows
+    head = mapped.runner.head_module  # ... and is int8 itself, one copy per draft and map
+    assert isinstance(head, torch.ao.nn.quantized.dynamic.Linear) and head.out_features == 60
+    assert DraftModelProposer(tiny_pair["perturbed"], config).runner.head_module is head
     early = EarlyExitProposer(target, EarlyExitConfig(exit_layer=1, draft_quantization="int8"))
     assert count_int8_linears(early.runner.model) > 0 and count_int8_linears(target) == 0
     for proposer in (mapped, early):
@@ -158,16 +162,27 @@ V_SMALL = 12
 SAMPLING = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, max_new_tokens=3)
 
 
-@pytest.mark.parametrize("tree", [None, "tree8"])
-def test_sampled_tokens_follow_the_target(tree) -> None:
-    """Temperature 0.8, top-k 9, top-p 0.95, k = 2 (or the tree8 shape, width > 1): the first three
-    tokens drafted by an int8 near-copy of the target follow the exact target marginals
-    (chi-square p > P_MIN, 1,000 seeded samples), with part of the drafts accepted."""
+@pytest.mark.parametrize(
+    ("tree", "mapped"),
+    [(None, False), ("tree8", False), (None, True)],
+)
+def test_sampled_tokens_follow_the_target(tmp_path, tree, mapped) -> None:
+    """Temperature 0.8, top-k 9, top-p 0.95, k = 2 (or the tree8 shape, width > 1; or an int8
+    reduced head over 9 of the 12 tokens, q zero outside them): the first three tokens drafted by
+    an int8 near-copy of the target follow the exact target marginals (chi-square p > P_MIN,
+    1,000 seeded samples), with part of the drafts accepted."""
+    from specdecode.proposers.token_map import save_token_map
+
     target = make_tiny_model(vocab_size=V_SMALL, seed=5, init=0.3)
     draft = perturbed_copy(target, noise=0.1, seed=6)
     prompt = [3, 1, 4]
     exact = exact_marginals(target, prompt, 3, SAMPLING)
-    spec = SpeculativeGenerator(target, proposer=DraftModelProposer(draft, INT8))
+    config = INT8
+    if mapped:
+        config = DraftModelConfig(
+            draft_quantization="int8", token_map=str(save_token_map(torch.arange(9), tmp_path / "m.npy"))
+        )
+    spec = SpeculativeGenerator(target, proposer=DraftModelProposer(draft, config))
     samples = [
         spec.generate(prompt, SamplingParams(**{**SAMPLING.__dict__, "seed": s}), num_speculative_tokens=2, tree=tree)
         for s in range(1_000)
@@ -191,6 +206,18 @@ def test_cli_generates_exactly_with_an_int8_draft(model_dirs, capsys) -> None:
     assert out["identical"] is True and out["accepted_tokens"] > 0
     assert main([*args[:-1], "int4"]) == 2
     assert "draft_quantization" in capsys.readouterr().err
+
+
+def test_int8_linear_approximates_the_layer_and_refuses_other_modules() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 300)
+    x = torch.randn(5, 64)  # (rows, in)
+    q = quant.int8_linear(layer)
+    assert isinstance(q, torch.ao.nn.quantized.dynamic.Linear) and type(layer) is torch.nn.Linear
+    error = (q(x) - layer(x)).abs().max() / layer(x).abs().max()
+    assert 0 < error < 0.05, error
+    with pytest.raises(ValueError, match="int8_linear"):
+        quant.int8_linear(torch.nn.Conv1d(2, 2, 1))  # type: ignore[arg-type]
 
 
 def test_proposers_of_one_draft_share_its_int8_copy(tiny_pair) -> None:

@@ -41,6 +41,7 @@ from specdecode.models.runner import ModelRunner
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, torch.nn.Module]] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
+_SHARED_HEADS: weakref.WeakKeyDictionary[torch.nn.Module, dict[bytes, torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
 INT8_AUTO_MIN_PARAMETERS = 50_000_000  # "auto" leaves smaller drafts alone: the int8 GEMM pays for memory-bound layers
@@ -127,6 +128,25 @@ def quantize_int8(
     return quantized.eval()
 
 
+def int8_linear(layer: torch.nn.Linear) -> torch.nn.Module:
+    """A dynamic int8 copy of one float ``nn.Linear`` (the quantization of :func:`quantize_int8`:
+    int8 weights with one scale per output row, activations quantized per call), used for the
+    reduced LM head of an int8 draft over a token map (FR-Spec's head, then int8: both savings).
+    Takes and returns float32 ``[..., in_features]`` -> ``[..., out_features]``; ``layer`` is
+    not modified.
+
+    Raises:
+        ValueError: ``layer`` is not an ``nn.Linear`` on the CPU.
+    """
+    if not isinstance(layer, torch.nn.Linear) or layer.weight.device.type != "cpu":
+        raise ValueError(f"int8_linear needs an nn.Linear on the CPU, got {type(layer).__name__}")
+    work = copy.deepcopy(layer).float()
+    work.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ao.nn.quantized.dynamic.Linear.from_float(work).eval()
+
+
 def shared_int8_copy(model: torch.nn.Module, keep_head: bool = False) -> torch.nn.Module:
     """:func:`quantize_int8` of ``model`` with the default float layers, made once per model and
     ``keep_head`` and then shared (while ``model`` lives): a server builds a proposer per request,
@@ -141,6 +161,18 @@ def shared_int8_copy(model: torch.nn.Module, keep_head: bool = False) -> torch.n
             if isinstance(model, PreTrainedModel):
                 ModelRunner(model).share_masking_check(copies[keep_head])
         return copies[keep_head]
+
+
+def shared_int8_head(layer: torch.nn.Linear, model: torch.nn.Module, head_ids: torch.Tensor) -> torch.nn.Module:
+    """:func:`int8_linear` of the reduced head ``layer`` (the rows ``head_ids`` of ``model``'s LM
+    head), made once per ``model`` and ``head_ids`` and then shared while ``model`` lives, as
+    :func:`shared_int8_copy` shares the layers. Same errors as :func:`int8_linear`."""
+    key = torch.as_tensor(head_ids).to("cpu", torch.int64).numpy().tobytes()
+    with _SHARED_LOCK:
+        heads = _SHARED_HEADS.setdefault(model, {})
+        if key not in heads:
+            heads[key] = int8_linear(layer)
+        return heads[key]
 
 
 def count_int8_linears(model: torch.nn.Module) -> int:

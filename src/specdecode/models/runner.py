@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from specdecode.models.cpu import use_onednn_linears
+
 # Config attributes of models whose logits are not plain ``lm_head(hidden states)`` (soft-capping in
 # Gemma 2/3, ``logit_scale`` in Cohere, ``logits_scaling`` in Granite), with their neutral values:
 # a reduced head (``head_ids``) does not reproduce them and refuses such a model.
@@ -70,7 +72,9 @@ class ModelRunner:
     With ``head_ids`` the runner scores only those rows of the output head (a reduced LM head,
     FR-Spec, Zhao et al. 2025, arXiv 2502.14856): it runs the decoder (``model.get_decoder()``,
     hidden states after the final norm) and multiplies by ``lm_head.weight[head_ids]``, a slice
-    copied once here in the head's dtype; the model itself is not modified.
+    copied once here in the head's dtype into :attr:`head_module` (an ``nn.Linear`` ``H -> N``,
+    which a caller may replace by an equivalent module, e.g. an int8 copy for a quantized draft:
+    :func:`specdecode.models.quant.int8_linear`); the model itself is not modified.
 
     Args:
         model: a ``transformers`` causal LM (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...).
@@ -102,8 +106,13 @@ class ModelRunner:
         check_decoder_logits(self.model, "head_ids")
         head = self.model.get_output_embeddings()
         self.head_ids = ids.to(device=self.device, dtype=torch.int64)  # (N,)
-        self._head_weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
-        self._head_bias = None if head.bias is None else head.bias.detach()[self.head_ids].contiguous()  # (N,)
+        weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
+        reduced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=head.bias is not None)
+        reduced.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if head.bias is not None:
+            reduced.bias = torch.nn.Parameter(head.bias.detach()[self.head_ids].contiguous(), requires_grad=False)
+        use_onednn_linears(reduced)  # float32 CPU: the few-row path the model's own layers take
+        self.head_module: torch.nn.Module = reduced.eval()
 
     @property
     def device(self) -> torch.device:
@@ -171,7 +180,7 @@ class ModelRunner:
         """float32 logits of features ``[..., H]``: the reduced head over :attr:`head_ids` (``[..., N]``),
         else the model's own output head, called as its forward calls it (``[..., V]``)."""
         if self.head_ids is not None:
-            return F.linear(hidden, self._head_weight, self._head_bias).float()
+            return self.head_module(hidden).float()
         return self.model.get_output_embeddings()(hidden).float()
 
     def truncate(self, length: int) -> None:

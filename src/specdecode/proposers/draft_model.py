@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.models.quant import check_draft_quantization, resolve_draft_quantization, shared_int8_copy
+from specdecode.models.quant import (
+    check_draft_quantization,
+    resolve_draft_quantization,
+    shared_int8_copy,
+    shared_int8_head,
+)
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens
 from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
@@ -36,8 +41,9 @@ class DraftModelConfig:
         draft_vocab_size: use only the first N ids of ``token_map`` (its N most frequent tokens);
             None uses all of it. A string of an integer (from the command line) is accepted.
         draft_quantization: ``"int8"`` drafts with a dynamic int8 copy of the draft's linear layers
-            (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` and, with a
-            token map, the head stay float32): on the AVX2 reference machine a drafted token cost 0.6
+            (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays float32;
+            with a token map the reduced head is int8 too, :func:`~specdecode.models.quant.int8_linear`):
+            on the AVX2 reference machine a drafted token cost 0.6
             of the float32 draft's at the same acceptance, and the output stays exact. ``"auto"`` (default)
             does so for a float32 draft of at least 50M parameters on the CPU (what ``--dtype
             auto`` loads on a CPU without native bfloat16), ``"none"`` (or None) never.
@@ -157,6 +163,8 @@ class DraftModelProposer:
             self.runner = ModelRunner(model, head_ids=head_ids)
         except ValueError as error:
             raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
+        if head_ids is not None and self.quantization == "int8":
+            self.runner.head_module = shared_int8_head(self.runner.head_module, model, head_ids)
         self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
 
     @property
