@@ -3,6 +3,7 @@ drafting with it (greedy float32 equality, chains and trees; sampled marginals).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -77,7 +78,7 @@ def test_the_option_is_checked_and_taken_from_the_command_line() -> None:
     assert EarlyExitConfig(exit_layer=1, draft_quantization="int8").draft_quantization == "int8"
 
 
-def test_auto_quantizes_large_float32_cpu_drafts_only(monkeypatch) -> None:
+def test_auto_quantizes_large_float32_and_bfloat16_cpu_drafts_only(monkeypatch) -> None:
     model = make_tiny_model(seed=0)
     size = sum(p.numel() for p in model.parameters())
     assert resolve_draft_quantization("auto", model) == "none"  # tiny: left alone
@@ -85,7 +86,9 @@ def test_auto_quantizes_large_float32_cpu_drafts_only(monkeypatch) -> None:
     assert resolve_draft_quantization(None, model) == resolve_draft_quantization("none", model) == "none"
     monkeypatch.setattr(quant, "INT8_AUTO_MIN_PARAMETERS", size)
     assert resolve_draft_quantization("auto", model) == "int8"  # as large as the threshold, float32, CPU
-    assert resolve_draft_quantization("auto", model.to(torch.bfloat16)) == "none"  # bf16 (or GPU): as loaded
+    assert resolve_draft_quantization("auto", copy.deepcopy(model).to(torch.bfloat16)) == "int8"
+    assert resolve_draft_quantization("auto", copy.deepcopy(model).to(torch.float16)) == "none"  # not measured
+    assert resolve_draft_quantization("auto", copy.deepcopy(model).to("meta")) == "none"  # off the CPU: as loaded
     proposer = DraftModelProposer(make_tiny_model(seed=0))  # the default config is "auto"
     assert proposer.quantization == "int8" and count_int8_linears(proposer.runner.model) > 0
     with pytest.raises(ValueError, match="draft_quantization"):
