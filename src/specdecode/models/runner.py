@@ -107,7 +107,7 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.head_ids = ids.to(device=self.device, dtype=torch.int64)  # (N,)
         weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
-        reduced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=head.bias is not None)
+        reduced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=head.bias is not None, device="meta")
         reduced.weight = torch.nn.Parameter(weight, requires_grad=False)
         if head.bias is not None:
             reduced.bias = torch.nn.Parameter(head.bias.detach()[self.head_ids].contiguous(), requires_grad=False)
