@@ -204,9 +204,12 @@ def test_cli_dtype_choices_are_the_loader_choices() -> None:
     import argparse
 
     from specdecode.cli import add_dtype_arg
+    from specdecode.drafters.train import add_train_parser
     from specdecode.models.loading import DTYPE_CHOICES
 
     parser = argparse.ArgumentParser()
     add_dtype_arg(parser)
-    action = next(a for a in parser._actions if a.dest == "dtype")
-    assert tuple(action.choices) == DTYPE_CHOICES and action.default == "auto"
+    train = add_train_parser(argparse.ArgumentParser().add_subparsers())  # train-drafter collects features too
+    for p in (parser, train):
+        action = next(a for a in p._actions if a.dest == "dtype")
+        assert tuple(action.choices) == DTYPE_CHOICES and action.default == "auto"

@@ -810,7 +810,13 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument("--target", default=None, help="HF model folder or .gguf (default: Qwen2.5-Coder-1.5B-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="target dtype for features")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="target dtype for features; auto (default): bfloat16 where the CPU multiplies it natively (or on a "
+        "GPU), else float32 (bfloat16 passes cost about one pass per token there)",
+    )
     p.add_argument(
         "--data",
         action="append",
