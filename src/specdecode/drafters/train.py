@@ -804,19 +804,15 @@ def warm_start(drafter: MedusaHeads | EagleHead, folder: str | Path, target: Pre
 # ---------------------------------------------------------------- command line
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``specdecode train-drafter``."""
+    from specdecode.cli import add_dtype_arg  # cli imports this module lazily, for its subcommand
+
     p = subparsers.add_parser(
         "train-drafter",
         help="train Medusa heads or an EAGLE-style head for a target on its own features (self-distillation)",
     )
     p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument("--target", default=None, help="HF model folder or .gguf (default: Qwen2.5-Coder-1.5B-Instruct)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="target dtype for features; auto (default): bfloat16 where the CPU multiplies it natively (or on a "
-        "GPU), else float32 (bfloat16 passes cost about one pass per token there)",
-    )
+    add_dtype_arg(p)  # the target's dtype for features: auto avoids bf16 where it is multiplied row by row
     p.add_argument(
         "--data",
         action="append",
