@@ -3,7 +3,7 @@
 For the default draft model: (1) the head alone, ``F.linear`` of one row against the first N rows
 of the map (and the full head); (2) a whole one-token draft step (the runner of a
 ``DraftModelProposer`` built as ``draft_model`` builds it, so with ``--draft-quantization auto`` a
-float32 draft on an AVX2 CPU drafts int8, its reduced head int8 too) with the full head and with
+float32 or bfloat16 draft on the CPU drafts int8, its reduced head int8 too) with the full head and with
 N-token heads, the arms alternating ``--rounds`` times so that drift of the machine hits all
 alike. Prints medians in milliseconds.
 
@@ -20,6 +20,7 @@ import time
 import torch
 from bench_linear_rows import time_linear  # this script's folder is on sys.path
 
+from specdecode.cli import add_dtype_arg
 from specdecode.models.loading import load_model
 from specdecode.models.quant import DRAFT_QUANTIZATIONS
 from specdecode.models.runner import ModelRunner
@@ -45,7 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="32768,65536", help="N of the reduced heads (first N ids of the map)")
     p.add_argument("--token-map", default="default")
-    p.add_argument("--dtype", default="auto")
+    add_dtype_arg(p)
     p.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=16)

@@ -43,8 +43,9 @@ class DraftModelConfig:
         draft_quantization: ``"int8"`` drafts with a dynamic int8 copy of the draft's linear layers
             (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays float32;
             with a token map the reduced head is int8 too, :func:`~specdecode.models.quant.int8_linear`):
-            a drafted token cost 0.6 of the float32 draft's on an AVX2 CPU and 0.63 of the bfloat16
-            draft's on an Intel CPU with AMX, at the same acceptance; the output stays exact.
+            a drafted token cost 0.6 of the float32 draft's on an AVX2 CPU and 0.69 of the bfloat16
+            draft's on an Intel CPU with AMX (bench cost ratio c 0.403 -> 0.280), at the same
+            acceptance; the output stays exact.
             ``"auto"`` (default) does so for a float32 or bfloat16 draft of at least 50M parameters
             on the CPU, ``"none"`` (or None) never.
         prompt_lookup_min, prompt_lookup_max: when >= 1, draft by prompt lookup whenever the context's
