@@ -502,6 +502,27 @@ def test_missing_drafter_says_how_to_train_one(tiny_target, tmp_path, monkeypatc
         default_drafter_dir("hydra", tiny_target)
 
 
+def test_find_drafter_prefers_the_users_then_the_shipped_one(tiny_target, tmp_path, monkeypatch) -> None:
+    import specdecode.drafters as drafters
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(drafters, "shipped_drafters_root", lambda: tmp_path / "shipped")
+    own, shipped = default_drafter_dir("eagle", tiny_target), drafters.shipped_drafter_dir("eagle", tiny_target)
+    assert shipped.parent == tmp_path / "shipped" and shipped.name == own.name
+    assert drafters.find_drafter_dir("eagle", tiny_target) == own  # neither: the user's folder (says how to train)
+    config = DrafterConfig.for_target("eagle", tiny_target, 16, intermediate_size=64)
+    save_drafter(build_drafter(config, torch.arange(16)), shipped)
+    assert drafters.find_drafter_dir("eagle", tiny_target) == shipped
+    assert drafters.find_drafter_dir("medusa", tiny_target) == default_drafter_dir("medusa", tiny_target)
+    assert make_proposer("eagle", target=tiny_target).drafter.config.draft_vocab_size == 16  # the shipped one loads
+    save_drafter(
+        build_drafter(DrafterConfig.for_target("eagle", tiny_target, 8, intermediate_size=64), torch.arange(8)), own
+    )
+    assert drafters.find_drafter_dir("eagle", tiny_target) == own  # the user's own wins
+    with pytest.raises(ValueError, match="kind must be one of"):
+        drafters.shipped_drafter_dir("hydra", tiny_target)
+
+
 def test_cli_flags_and_proposer_errors(cases) -> None:
     from specdecode.cli import build_parser, proposer_options
 

@@ -293,6 +293,23 @@ def test_training_on_several_feature_folders(target, tiny_tokenizer, features, t
         train_drafter(target, [features, tmp_path / "nowhere"], tmp_path / "out3", config, progress=False)
 
 
+def test_saved_weights_are_bfloat16_unless_float32_is_asked(target, features, tmp_path):
+    from safetensors.torch import load_file
+
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        config = TrainConfig(kind="eagle", draft_vocab_size=40, max_steps=2, val_every=10, save_every=10,
+                             save_dtype=name)  # fmt: skip
+        train_drafter(target, features, tmp_path / name, config, progress=False)
+        state = load_file(str(tmp_path / name / "model.safetensors"))
+        assert state["head_ids"].dtype == torch.int64
+        assert {v.dtype for key, v in state.items() if key != "head_ids"} == {dtype}
+    # the same seeded training: the bfloat16 file holds the float32 weights rounded
+    half, full = load_drafter(tmp_path / "bfloat16"), load_drafter(tmp_path / "float32")
+    torch.testing.assert_close(half.fc.weight, full.fc.weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="save_dtype must be one of"):
+        TrainConfig(save_dtype="float16")
+
+
 def test_warm_start_takes_the_saved_weights_and_a_new_token_map(target, features, tmp_path):
     first = TrainConfig(kind="eagle", draft_vocab_size=40, max_steps=3, val_every=10, save_every=10)
     train_drafter(target, features, tmp_path / "a", first, progress=False)

@@ -94,7 +94,7 @@ def default_methods(target: str | None) -> list[str]:
     """Every registered method, less the trained-drafter proposers (``medusa``, ``eagle``) whose
     drafter for ``target`` has not been trained (``specdecode train-drafter``; a note on stderr)."""
     from specdecode.bench.methods import METHODS
-    from specdecode.drafters import default_drafter_dir
+    from specdecode.drafters import find_drafter_dir
     from specdecode.drafters.heads import CONFIG_FILE
     from specdecode.models.loading import resolve_model_dir
     from specdecode.proposers import PROPOSERS
@@ -103,7 +103,7 @@ def default_methods(target: str | None) -> list[str]:
     for name in METHODS:
         spec = PROPOSERS.get(name)
         if spec is not None and spec.needs_target_features:
-            folder = default_drafter_dir(name, resolve_model_dir(target, "target"))
+            folder = find_drafter_dir(name, resolve_model_dir(target, "target"))
             if not (folder / CONFIG_FILE).is_file():
                 print(
                     f"bench: skipping {name} (no drafter in {folder}; specdecode train-drafter --kind {name})",

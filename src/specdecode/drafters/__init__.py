@@ -54,6 +54,49 @@ def default_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path
     return cache_dir() / "drafters" / f"{kind}-{target_name(target)}"
 
 
+def shipped_drafters_root() -> Path:
+    """The folder of the drafters that ship with specdecode (``specdecode/data/drafters``): the ones
+    the project trained for its default target (docs/benchmarks.md, "Trained drafters")."""
+    return Path(__file__).resolve().parent.parent / "data" / "drafters"
+
+
+def shipped_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
+    """Where a drafter of ``kind`` for ``target`` that ships with specdecode would be:
+    ``<shipped_drafters_root()>/<kind>-<target name>``. Nothing is created; the folder may not exist.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    return shipped_drafters_root() / f"{kind}-{target_name(target)}"
+
+
+def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
+    """The drafter folder that ``--proposer KIND`` uses without ``--drafter``: the user's own
+    (:func:`default_drafter_dir`, written by ``specdecode train-drafter``) when it holds a drafter,
+    else the shipped one (:func:`shipped_drafter_dir`) when there is one, else
+    :func:`default_drafter_dir` (which then holds none: the proposers say how to train one).
+
+    The folder is found by the target's name; loading it still checks the target's identity
+    (hidden size, vocabulary, config and weights hashes), so a same-named other model is a clear
+    :class:`~specdecode.errors.IncompatibleModelsError`, never a silent mismatch.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`KINDS`.
+    """
+    from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE
+
+    def holds(folder: Path) -> bool:
+        return (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
+
+    own = default_drafter_dir(kind, target)
+    if holds(own):
+        return own
+    shipped = shipped_drafter_dir(kind, target)
+    return shipped if holds(shipped) else own
+
+
 __all__ = [
     "KINDS",
     "DrafterConfig",
@@ -62,8 +105,11 @@ __all__ = [
     "build_drafter",
     "check_target",
     "default_drafter_dir",
+    "find_drafter_dir",
     "load_drafter",
     "save_drafter",
+    "shipped_drafter_dir",
+    "shipped_drafters_root",
     "target_identity",
     "target_name",
 ]

@@ -337,12 +337,22 @@ def check_target(config: DrafterConfig, target: PreTrainedModel) -> None:
             )
 
 
-def save_drafter(drafter: MedusaHeads | EagleHead, out_dir: str | Path) -> Path:
-    """Write ``model.safetensors`` and ``drafter.json`` into ``out_dir`` (created); returns it."""
+def save_drafter(drafter: MedusaHeads | EagleHead, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write ``model.safetensors`` and ``drafter.json`` into ``out_dir`` (created); returns it.
+
+    Args:
+        drafter: the drafter (attached or not; the target's tensors are never saved).
+        out_dir: the folder.
+        dtype: store the floating-point weights in this dtype (e.g. ``torch.bfloat16``: half the
+            file of float32; :meth:`Drafter.attach` casts to the target's dtype on load anyway);
+            None keeps the drafter's own. ``head_ids`` stays int64.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {
-        k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items() if not k.startswith("_target")
+        k: v.detach().to("cpu", dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous()
+        for k, v in drafter.state_dict().items()
+        if not k.startswith("_target")
     }
     save_file(state, str(out / WEIGHTS_FILE), metadata={"kind": drafter.config.kind})
     (out / CONFIG_FILE).write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n")

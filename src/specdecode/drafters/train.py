@@ -69,6 +69,7 @@ from specdecode.drafters.heads import (
 FEATURES_META = "features.json"
 CHECKPOINT = "checkpoint.pt"
 DISTILL = ("top1", "soft")
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 # ---------------------------------------------------------------- features
@@ -319,6 +320,9 @@ class TrainConfig:
         loss_positions: positions per sequence where the LM-head losses are computed each step
             (random; None: all). The LM-head rows dominate a step's cost on a CPU.
         seed: data order and initialisation.
+        save_dtype: ``"bfloat16"`` (default, half the file) or ``"float32"``: the dtype of the saved
+            drafter's weights (training and ``checkpoint.pt`` stay float32; loading casts to the
+            target's dtype).
     """
 
     kind: str = "eagle"
@@ -337,6 +341,7 @@ class TrainConfig:
     distill: str = "top1"
     loss_positions: int | None = 128
     seed: int = 0
+    save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -351,6 +356,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.distill not in DISTILL:
             raise ValueError(f"distill must be one of {list(DISTILL)}, got {self.distill!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {list(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if not self.lr > 0:
@@ -779,7 +786,7 @@ def train_drafter(
         "parameters": int(sum(p.numel() for p in drafter.parameters())),
     }
     drafter.config.training = report
-    save_drafter(drafter, out)
+    save_drafter(drafter, out, dtype=SAVE_DTYPES[config.save_dtype])
     return report
 
 
@@ -860,6 +867,12 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=defaults.loss_positions,
         help="positions per sequence scored by the LM head each step (default 128; 0 = all)",
     )
+    p.add_argument(
+        "--save-dtype",
+        choices=list(SAVE_DTYPES),
+        default=defaults.save_dtype,
+        help=f"dtype of the saved drafter's weights (default {defaults.save_dtype}: half the file of float32)",
+    )
     p.add_argument("--time-budget-min", type=float, default=None, help="stop training after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument(
@@ -893,6 +906,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         loss_positions=args.loss_positions or None,
         seed=args.seed,
+        save_dtype=args.save_dtype,
     )
     sources = args.data or ["stdlib"]
     files = corpus_files(sources)  # bad sources fail before the model loads

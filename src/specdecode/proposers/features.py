@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.drafters import default_drafter_dir
+from specdecode.drafters import find_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
 from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
@@ -38,8 +38,9 @@ class TrainedDrafterConfig:
 
     Attributes:
         drafter: the drafter's folder (``drafter.json`` + ``model.safetensors``, written by
-            ``specdecode train-drafter``); None: the default folder for the target,
-            :func:`specdecode.drafters.default_drafter_dir`.
+            ``specdecode train-drafter``); None: the target's own default, the user's drafter in the
+            cache if there is one, else the one shipped with specdecode
+            (:func:`specdecode.drafters.find_drafter_dir`).
         draft_confidence: stop drafting as soon as the drafter's top probability (over its token
             map, after the request's temperature / top-k / top-p; plain softmax when greedy) falls
             below this value, in [0, 1); 0 drafts all k tokens (as in
@@ -58,7 +59,10 @@ class TrainedDrafterConfig:
 
     drafter: str | None = field(
         default=None,
-        metadata={"help": "folder of a trained drafter (default: <cache>/drafters/KIND-TARGET from train-drafter)"},
+        metadata={
+            "help": "folder of a trained drafter (default: <cache>/drafters/KIND-TARGET from train-drafter, "
+            "else the one shipped with specdecode)"
+        },
     )
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
     prompt_lookup_min: int = prompt_lookup_min_field()
@@ -97,7 +101,7 @@ def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedM
     if target is None:
         raise ValueError(f"proposer {kind!r} needs the target model (its drafter reads the target's features)")
     default = config.drafter is None
-    path = default_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]
+    path = find_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]
     check_drafter_dir(path, kind, default)
     # One loaded drafter per (target, kind, folder), reloaded when its files change: proposers keep
     # their state (caches, features) to themselves and only read its weights, so requests share it.

@@ -288,12 +288,12 @@ class Scheduler:
 
     def _has_drafter(self, name: str) -> bool:
         """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the rest)."""
-        from specdecode.drafters import default_drafter_dir
+        from specdecode.drafters import find_drafter_dir
         from specdecode.proposers.features import check_drafter_dir
 
         options = self.settings.proposer_options if name == self.settings.proposer else {}
         try:
-            check_drafter_dir(Path(options.get("drafter") or default_drafter_dir(name, self.target)), name)
+            check_drafter_dir(Path(options.get("drafter") or find_drafter_dir(name, self.target)), name)
         except FileNotFoundError:
             return False
         return True
