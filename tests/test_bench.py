@@ -66,6 +66,10 @@ def test_end_to_end_results_table_plots_and_report(models, questions, tmp_path, 
     summary = metrics.summarize(saved["records"], saved["methods"], greedy=True)
     assert summary["draft_model[k=3]"]["all"]["exact"] == 1.0  # lossless under greedy decoding
     assert summary["target"]["all"]["speedup"] == 1.0
+    draft_bytes = sum(t.untyped_storage().nbytes() for t in [*models.draft.parameters(), *models.draft.buffers()])
+    assert summary["target"]["all"]["proposer_mb"] == 0.0  # the weights a method adds to the target
+    assert summary["draft_model[k=3]"]["all"]["proposer_mb"] == pytest.approx(draft_bytes / 1e6)
+    assert "proposer weights (MB)" in text
 
     assert main(["bench", "--report", str(path), "--out", str(tmp_path / "again")]) == 0
     assert "| method | mt_bench | qa | all |" in capsys.readouterr().out

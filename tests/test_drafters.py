@@ -536,3 +536,24 @@ def test_cli_flags_and_proposer_errors(cases) -> None:
         fresh.propose(torch.tensor(PROMPTS[0]), 3, SamplingParams(), None)  # no features given
     with pytest.raises(ValueError, match="EagleHead"):
         EagleProposer(cases["medusa", "partly"][1])
+
+
+def test_proposer_weight_bytes_counts_what_the_proposer_adds_to_the_target(tiny_target) -> None:
+    from specdecode.proposers import proposer_weight_bytes
+
+    def nbytes(module: torch.nn.Module) -> int:
+        return sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
+
+    draft = make_tiny_model(seed=3)
+    assert proposer_weight_bytes(make_proposer("draft_model", draft=draft), tiny_target) == nbytes(draft)
+    assert proposer_weight_bytes(make_proposer("prompt_lookup"), tiny_target) == 0
+    assert proposer_weight_bytes(make_proposer("early_exit", target=tiny_target), tiny_target) == 0  # its layers
+    head_ids = torch.arange(0, tiny_target.config.vocab_size, 2)
+    for kind in ("eagle", "medusa"):
+        drafter = make_drafter(kind, tiny_target, head_ids)
+        proposer = EagleProposer(drafter) if kind == "eagle" else MedusaProposer(drafter)
+        copied = drafter._target.head_weight  # the LM-head rows of the map: the drafter's own copy
+        assert copied.shape[0] == head_ids.shape[0]
+        # the drafter's layers and its copy of the head rows; the target's embeddings it borrows are not counted
+        assert proposer_weight_bytes(proposer, tiny_target) == nbytes(drafter) + copied.untyped_storage().nbytes()
+        assert proposer_weight_bytes(proposer, None) > proposer_weight_bytes(proposer, tiny_target)

@@ -92,6 +92,7 @@ class BenchModels:
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
     _drafts: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)
     _targets: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
+    _bytes: dict[int, int] = field(default_factory=dict, repr=False)
 
     def generator(self, proposer: str | None) -> SpeculativeGenerator:
         """Our engine on :attr:`target` with the named proposer (None: target only), built once.
@@ -104,6 +105,17 @@ class BenchModels:
             made = PROPOSERS[proposer](self) if proposer is not None else None
             self._generators[key] = SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made)
         return self._generators[key]
+
+    def proposer_bytes(self, generator: SpeculativeGenerator) -> int:
+        """Bytes of the weights ``generator``'s proposer holds beyond the target (0 without one),
+        measured once per engine (:func:`specdecode.proposers.proposer_weight_bytes`)."""
+        from specdecode.proposers import proposer_weight_bytes
+
+        key = id(generator)
+        if key not in self._bytes:
+            proposer = generator.proposer
+            self._bytes[key] = 0 if proposer is None else proposer_weight_bytes(proposer, generator.target.model)
+        return self._bytes[key]
 
     def clear_proposer_caches(self) -> None:
         """Forget cross-request proposer state (a proposer's ``clear_cache()``, e.g. the suffix
@@ -164,11 +176,14 @@ class MethodOutput:
         token_ids: the new token ids (an ending EOS included).
         wall_time_s: seconds of the whole call, measured the same way for every method.
         stats: our engine's statistics, or None for a peer.
+        proposer_bytes: bytes of the weights our engine's proposer holds beyond the target
+            (:func:`specdecode.proposers.proposer_weight_bytes`), or None for a peer.
     """
 
     token_ids: list[int]
     wall_time_s: float
     stats: SpecStats | None = None
+    proposer_bytes: int | None = None
 
 
 RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None"], MethodOutput]
@@ -234,7 +249,8 @@ def _engine_run(
             schedule=schedule,
             tree=tree,
         )
-        return MethodOutput(result.token_ids, time.perf_counter() - tic, result.stats)
+        wall = time.perf_counter() - tic
+        return MethodOutput(result.token_ids, wall, result.stats, models.proposer_bytes(generator))
 
     return run
 

@@ -22,6 +22,9 @@ sums run over the records of that method and group. Terms as in DESIGN.md §4.
 - ``predicted_speedup``: Leviathan et al. (2023, eq. for walltime improvement) from the measured α,
   k and c: ``(1 - α^(k+1)) / ((1 - α)(k c + 1))`` (``(k + 1) / (k c + 1)`` at α = 1).
 - ``efficiency``: ``speedup / predicted_speedup`` (below 1: overheads the model does not count).
+- ``proposer_mb``: the weights our engine's proposer holds beyond the target, in MB (10^6 bytes;
+  the largest over the records: :func:`specdecode.proposers.proposer_weight_bytes`); None for
+  peers and results saved before it was recorded.
 - ``exact``: greedy only, the share of prompts whose token ids equal ``target``'s at every turn and
   repeat. Sampled runs leave it None: their exactness is distributional, covered by the tests.
 
@@ -157,6 +160,8 @@ def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy
         **stats_metrics([r["stats"] for r in records] if has_stats else [], k),
         "exact": exactness(records, baseline) if greedy else None,
     }
+    sizes = [r["proposer_weight_bytes"] for r in records if r.get("proposer_weight_bytes") is not None]
+    out["proposer_mb"] = max(sizes) / 1e6 if sizes else None
     out["efficiency"] = _ratio(speedup, out["predicted_speedup"]) if speedup and out["predicted_speedup"] else None
     return out
 

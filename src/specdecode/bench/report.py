@@ -32,6 +32,7 @@ COLUMNS = [  # (metric key, header, format)
     ("draft_cost_ratio", "c", "{:.3f}"),
     ("predicted_speedup", "predicted speedup", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.2f}"),
+    ("proposer_mb", "proposer weights (MB)", "{:.0f}"),
     ("exact", "exact", "{:.0%}"),
 ]
 

@@ -88,6 +88,7 @@ def run_turns(
                 "new_tokens": len(out.token_ids),
                 "wall_time_s": out.wall_time_s,
                 "stats": out.stats.to_dict() if out.stats is not None else None,
+                "proposer_weight_bytes": out.proposer_bytes,
                 "token_ids": out.token_ids,
             }
         )

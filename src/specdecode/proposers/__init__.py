@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.base import DraftTokens, Proposer, proposer_weight_bytes
 from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossTokenizerProposer, tokenizer_of
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.eagle import EagleConfig, EagleProposer
@@ -193,6 +193,7 @@ def make_proposer(
 
 
 __all__ = [
+    "proposer_weight_bytes",
     "PROPOSERS",
     "CrossTokenizerConfig",
     "CrossTokenizerProposer",

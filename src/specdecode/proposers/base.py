@@ -86,3 +86,69 @@ class Proposer(Protocol):
     # Optional, for proposers that read the target's features (see the module docstring):
     #   needs_target_features: bool = True  (class attribute; absent or False: no features)
     #   def observe_features(self, hidden: torch.Tensor) -> None: ...  # [m, H], the kept positions in order
+
+
+def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = None, max_depth: int = 4) -> int:
+    """Bytes of the weights a proposer holds beyond the target's: its memory cost next to the target.
+
+    Counted: the parameters and buffers of every ``torch.nn.Module`` reachable from the proposer's
+    attributes (a draft model, its reduced or int8 head, a trained drafter), and tensors that
+    specdecode's own objects keep inside such a module (e.g. a drafter's copy of the target's
+    LM-head rows); each storage once. Not counted: storages the ``target`` owns (shared embeddings,
+    the target's layers an early-exit proposer reuses) and per-request state (tensors a proposer
+    keeps outside modules, such as the tokens in its cache; ``transformers`` KV caches), which grows
+    with the context rather than being a cost of the proposer.
+
+    Args:
+        proposer: any proposer (or object holding models).
+        target: the target model whose storages are left out; None counts everything.
+        max_depth: how many attribute hops to follow from ``proposer``.
+
+    Returns:
+        bytes (int); 0 for a proposer without weights (prompt lookup, suffix decoding).
+    """
+    own = set()
+    if target is not None:
+        own = {t.untyped_storage().data_ptr() for t in [*target.parameters(), *target.buffers()]}
+    seen_objects: set[int] = set()
+    seen_storages: set[int] = set()
+    total = 0
+
+    def count(tensor: torch.Tensor) -> None:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if tensor.device.type == "meta" or pointer in own or pointer in seen_storages:
+            return
+        seen_storages.add(pointer)
+        total += storage.nbytes()
+
+    def ours(value: object) -> bool:
+        return type(value).__module__.startswith("specdecode")
+
+    def walk(value: object, depth: int, in_module: bool = False) -> None:
+        if id(value) in seen_objects or depth > max_depth:
+            return
+        seen_objects.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if in_module:  # weights a module's helper keeps; a proposer's own tensors are request state
+                count(value)
+        elif isinstance(value, torch.nn.Module):
+            for tensor in [*value.parameters(), *value.buffers()]:
+                count(tensor)
+            for module in value.modules():  # tensors our own objects keep beside a module's parameters
+                for attr in vars(module).values():
+                    if ours(attr) and not isinstance(attr, torch.nn.Module):
+                        walk(attr, depth + 1, True)
+        elif isinstance(value, list | tuple | set | frozenset):
+            for item in value:
+                walk(item, depth + 1, in_module)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1, in_module)
+        elif ours(value) and hasattr(value, "__dict__"):
+            for attr in vars(value).values():
+                walk(attr, depth + 1, in_module)
+
+    walk(proposer, 0)
+    return total
