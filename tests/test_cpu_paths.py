@@ -200,6 +200,21 @@ def test_bench_target_in_another_dtype_method() -> None:
             parse_method(bad)
 
 
+def test_bench_target_in_its_own_dtype_loads_no_second_copy(tiny_target, tiny_tokenizer, monkeypatch) -> None:
+    from specdecode.bench.methods import BenchModels
+    from specdecode.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a second copy of the target was loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    models = BenchModels(tiny_target, None, tiny_tokenizer)  # a float32 target
+    assert models.target_in("float32") is models.generator(None)
+    assert models.target_in("float32").target.model is tiny_target
+    with pytest.raises(AssertionError, match="second copy"):
+        models.target_in("bfloat16")
+
+
 def test_cli_dtype_choices_are_the_loader_choices() -> None:
     import argparse
 

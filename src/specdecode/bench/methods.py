@@ -150,16 +150,20 @@ class BenchModels:
 
     def target_in(self, dtype: str) -> SpeculativeGenerator:
         """Our engine, target only, on a second copy of :attr:`target` loaded in ``dtype`` (the
-        ``target(dtype=...)`` method: plain decoding in another dtype in the same run), loaded once.
+        ``target(dtype=...)`` method: plain decoding in another dtype in the same run), loaded once;
+        :attr:`target` itself when it already has that dtype.
 
         Raises:
             ValueError: an unknown dtype.
         """
-        from specdecode.models.loading import load_model
+        from specdecode.models.loading import load_model, parse_dtype
 
         if dtype not in self._targets:
-            model = load_model(self.target.config._name_or_path, "target", dtype)
-            self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
+            if parse_dtype(dtype) == self.target.dtype:  # the loaded target already is that dtype: no copy
+                self._targets[dtype] = self.generator(None)
+            else:
+                model = load_model(self.target.config._name_or_path, "target", dtype)
+                self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
         return self._targets[dtype]
 
     @property
