@@ -130,6 +130,42 @@ def test_routed_model_logits_equal_the_model(every_linear: None) -> None:
         torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_dropped_routed_model_frees_its_weights_without_the_cycle_collector(every_linear: None) -> None:
+    """Routed layers form no reference cycle: with the cycle collector off, deleting the model frees
+    every weight at once (a bound method stored on its own layer kept them until ``gc.collect``)."""
+    import gc
+    import weakref
+
+    model = routed(make_tiny_model(seed=3))
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0]]))  # packed copies made too
+    refs = [weakref.ref(p) for p in model.parameters()]
+    gc.disable()
+    try:
+        del model
+        assert sum(r() is not None for r in refs) == 0
+    finally:
+        gc.enable()
+
+
+def test_a_copied_routed_model_computes_with_its_own_weights(every_linear: None) -> None:
+    """``copy.deepcopy`` of a routed model: the copy's layers run on the copy's weights (not the
+    original's), and the original is unchanged."""
+    model = routed(make_tiny_model(seed=3))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    ids = torch.tensor([PROMPTS[0]])  # (1, T)
+    reference = make_tiny_model(seed=3)  # plain layers, the same weights scaled alike
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.mul_(1.5)
+        torch.testing.assert_close(twin(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, make_tiny_model(seed=3)(ids).logits, rtol=1e-5, atol=1e-5)
+    layer = twin.model.layers[0].mlp.up_proj
+    assert layer.forward.layer() is layer  # bound to the copy's layer
+
 @pytest.mark.parametrize("draft_kind", ["identical", "unrelated", "perturbed"])
 def test_greedy_speculation_through_onednn_equals_target_only(every_linear: None, draft_kind: str) -> None:
     """Greedy float32 equality with target-only decoding when target and draft run on oneDNN

@@ -33,7 +33,7 @@ oneDNN. ``scripts/bench_cpu_paths.py`` measures all three paths on a machine.
 from __future__ import annotations
 
 import copy
-import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +158,32 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
 
 
+class _RoutedForward:
+    """A routed layer's ``forward``: :func:`_onednn_forward` on a layer it holds only weakly.
+
+    A bound method stored on its own module (``module.forward = MethodType(f, module)``) makes a
+    reference cycle, so a dropped model's weights would wait for Python's cycle collector; this
+    holder makes none, and a dropped model frees its memory at once. ``copy.deepcopy`` of the
+    model (which registers the copied layer in ``memo`` before copying its attributes) gives the
+    copy a forward bound to the copied layer.
+    """
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: torch.nn.Linear) -> None:
+        self.layer = weakref.ref(layer)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer()
+        if layer is None:
+            raise RuntimeError("the routed linear layer was freed; its forward cannot run")
+        return _onednn_forward(layer, x)
+
+    def __deepcopy__(self, memo: dict) -> _RoutedForward:
+        layer = self.layer()
+        return _RoutedForward(memo.get(id(layer), layer))  # the copy's own layer when the model is copied
+
+
 def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     """Route the float32 CPU ``nn.Linear`` layers of ``model`` with at least
     :data:`ONEDNN_MIN_WEIGHTS` weights through oneDNN (``torch.ops.mkldnn._linear_pointwise``, the
@@ -200,7 +226,7 @@ def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     ]
     budget = _PackBudget(sum(m.weight.numel() * m.weight.element_size() for m in routed))
     for module in routed:
-        module.forward = types.MethodType(_onednn_forward, module)  # type: ignore[method-assign]
+        module.forward = _RoutedForward(module)  # type: ignore[method-assign]  # no reference cycle
         module._specdecode_onednn = True  # type: ignore[assignment]
         if pack:
             module._specdecode_packed = _Packed(budget)  # type: ignore[assignment]

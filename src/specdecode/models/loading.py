@@ -81,7 +81,7 @@ def load_model(
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
     """
     torch_dtype = parse_dtype(dtype)
-    gc.collect()  # dropped models with routed layers (reference cycles) give their memory back now
+    gc.collect()  # dropped models caught in reference cycles give their memory back before the next load
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
