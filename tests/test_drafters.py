@@ -557,3 +557,22 @@ def test_proposer_weight_bytes_counts_what_the_proposer_adds_to_the_target(tiny_
         # the drafter's layers and its copy of the head rows; the target's embeddings it borrows are not counted
         assert proposer_weight_bytes(proposer, tiny_target) == nbytes(drafter) + copied.untyped_storage().nbytes()
         assert proposer_weight_bytes(proposer, None) > proposer_weight_bytes(proposer, tiny_target)
+
+
+def test_proposer_weight_bytes_counts_an_int8_drafts_packed_weights(tiny_target) -> None:
+    """torch.ao keeps a dynamic int8 linear's weight packed, outside parameters and buffers: it is
+    counted as int8 bytes (out x in) plus its float32 bias, next to the layers left in float."""
+    from specdecode.proposers import proposer_weight_bytes
+
+    draft = make_tiny_model(seed=3)
+    proposer = make_proposer("draft_model", draft=draft, draft_quantization="int8")
+    quantized = proposer.runner.model
+    floats = {name: module for name, module in draft.named_modules()}
+    suffix = "._packed_params"  # torch.ao's holder of one layer's packed int8 weight and bias
+    packed = [name.removesuffix(suffix) for name, _ in quantized.named_modules() if name.endswith(suffix)]
+    assert packed  # the copy does hold int8 layers
+    expected = sum(t.untyped_storage().nbytes() for t in [*quantized.parameters(), *quantized.buffers()])
+    for name in packed:
+        layer = floats[name]
+        expected += layer.weight.numel() + (4 * layer.bias.numel() if layer.bias is not None else 0)
+    assert proposer_weight_bytes(proposer, tiny_target) == expected

@@ -92,12 +92,15 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
     """Bytes of the weights a proposer holds beyond the target's: its memory cost next to the target.
 
     Counted: the parameters and buffers of every ``torch.nn.Module`` reachable from the proposer's
-    attributes (a draft model, its reduced or int8 head, a trained drafter), and tensors that
+    attributes (a draft model, its reduced or int8 head, a trained drafter), the packed int8
+    weights and biases of dynamically quantized linears (``torch.ao`` keeps them outside
+    parameters and buffers: :func:`specdecode.models.quant.quantize_int8`), and tensors that
     specdecode's own objects keep inside such a module (e.g. a drafter's copy of the target's
-    LM-head rows); each storage once. Not counted: storages the ``target`` owns (shared embeddings,
-    the target's layers an early-exit proposer reuses) and per-request state (tensors a proposer
-    keeps outside modules, such as the tokens in its cache; ``transformers`` KV caches), which grows
-    with the context rather than being a cost of the proposer.
+    LM-head rows); each storage (each quantized layer) once. Not counted: storages the ``target``
+    owns (shared embeddings, the target's layers an early-exit proposer reuses) and per-request
+    state (tensors a proposer keeps outside modules, such as the tokens in its cache;
+    ``transformers`` KV caches), which grows with the context rather than being a cost of the
+    proposer.
 
     Args:
         proposer: any proposer (or object holding models).
@@ -107,11 +110,14 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
     Returns:
         bytes (int); 0 for a proposer without weights (prompt lookup, suffix decoding).
     """
+    from torch.ao.nn.quantized.modules.linear import LinearPackedParams  # a dynamic int8 linear's packed weight
+
     own = set()
     if target is not None:
         own = {t.untyped_storage().data_ptr() for t in [*target.parameters(), *target.buffers()]}
     seen_objects: set[int] = set()
     seen_storages: set[int] = set()
+    seen_packed: set[int] = set()
     total = 0
 
     def count(tensor: torch.Tensor) -> None:
@@ -127,6 +133,7 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
         return type(value).__module__.startswith("specdecode")
 
     def walk(value: object, depth: int, in_module: bool = False) -> None:
+        nonlocal total
         if id(value) in seen_objects or depth > max_depth:
             return
         seen_objects.add(id(value))
@@ -137,6 +144,9 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
             for tensor in [*value.parameters(), *value.buffers()]:
                 count(tensor)
             for module in value.modules():  # tensors our own objects keep beside a module's parameters
+                if isinstance(module, LinearPackedParams) and id(module) not in seen_packed:  # int8 weight + bias
+                    seen_packed.add(id(module))
+                    total += sum(t.untyped_storage().nbytes() for t in module._weight_bias() if t is not None)
                 for attr in vars(module).values():
                     if ours(attr) and not isinstance(attr, torch.nn.Module):
                         walk(attr, depth + 1, True)
