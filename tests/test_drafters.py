@@ -523,6 +523,26 @@ def test_find_drafter_prefers_the_users_then_the_shipped_one(tiny_target, tmp_pa
         drafters.shipped_drafter_dir("hydra", tiny_target)
 
 
+def test_a_shipped_drafter_is_found_by_the_targets_identity_under_another_name(tiny_target, tmp_path, monkeypatch):
+    """The same weights loaded from another folder (another name) still find the shipped drafter
+    made for them; another model of the same config does not."""
+    import specdecode.drafters as drafters
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(drafters, "shipped_drafters_root", lambda: tmp_path / "shipped")
+    config = DrafterConfig.for_target("eagle", tiny_target, 16, intermediate_size=64)
+    folder = tmp_path / "shipped" / "eagle-the-name-it-was-trained-under"
+    save_drafter(build_drafter(config, torch.arange(16)), folder)
+    assert drafters.target_name(tiny_target) not in folder.name
+    assert drafters.find_drafter_dir("eagle", tiny_target) == folder
+    assert drafters.find_drafter_dir("medusa", tiny_target) == default_drafter_dir("medusa", tiny_target)
+    other = make_tiny_model(seed=5)  # same config, other weights
+    assert drafters.find_drafter_dir("eagle", other) == default_drafter_dir("eagle", other)
+    assert drafters.find_drafter_dir("eagle", str(tmp_path / "some-folder")) == default_drafter_dir(
+        "eagle", str(tmp_path / "some-folder")
+    )  # a path, not a loaded model: found by name only
+
+
 def test_cli_flags_and_proposer_errors(cases) -> None:
     from specdecode.cli import build_parser, proposer_options
 

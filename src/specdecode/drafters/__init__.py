@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -75,10 +76,13 @@ def shipped_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path
 def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     """The drafter folder that ``--proposer KIND`` uses without ``--drafter``: the user's own
     (:func:`default_drafter_dir`, written by ``specdecode train-drafter``) when it holds a drafter,
-    else the shipped one (:func:`shipped_drafter_dir`) when there is one, else
-    :func:`default_drafter_dir` (which then holds none: the proposers say how to train one).
+    else the shipped one (:func:`shipped_drafter_dir`) when there is one, else (``target`` a
+    loaded model) a shipped drafter of ``kind`` whose ``drafter.json`` names the target's config
+    and weights hashes (:func:`target_identity`: the same weights loaded from another folder or
+    file), else :func:`default_drafter_dir` (which then holds none: the proposers say how to
+    train one).
 
-    The folder is found by the target's name; loading it still checks the target's identity
+    A folder found by the target's name is still checked on load against the target's identity
     (hidden size, vocabulary, config and weights hashes), so a same-named other model is a clear
     :class:`~specdecode.errors.IncompatibleModelsError`, never a silent mismatch.
 
@@ -94,7 +98,16 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     if holds(own):
         return own
     shipped = shipped_drafter_dir(kind, target)
-    return shipped if holds(shipped) else own
+    if holds(shipped):
+        return shipped
+    if isinstance(target, PreTrainedModel):
+        identity = target_identity(target)
+        for folder in sorted(shipped_drafters_root().glob(f"{kind}-*")):
+            if holds(folder):
+                saved = json.loads((folder / CONFIG_FILE).read_text()).get("target", {})
+                if all(saved.get(key) == identity[key] for key in ("config_hash", "weights_hash")):
+                    return folder
+    return own
 
 
 __all__ = [
