@@ -534,6 +534,10 @@ def test_a_shipped_drafter_is_found_by_the_targets_identity_under_another_name(t
     folder = tmp_path / "shipped" / "eagle-the-name-it-was-trained-under"
     save_drafter(build_drafter(config, torch.arange(16)), folder)
     assert drafters.target_name(tiny_target) not in folder.name
+    broken = tmp_path / "shipped" / "eagle-a-broken-one"  # sorted first: skipped, not an error
+    broken.mkdir()
+    (broken / "drafter.json").write_text("{not json")
+    (broken / "model.safetensors").write_bytes(b"")
     assert drafters.find_drafter_dir("eagle", tiny_target) == folder
     assert drafters.find_drafter_dir("medusa", tiny_target) == default_drafter_dir("medusa", tiny_target)
     other = make_tiny_model(seed=5)  # same config, other weights

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -78,8 +77,8 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     (:func:`default_drafter_dir`, written by ``specdecode train-drafter``) when it holds a drafter,
     else the shipped one (:func:`shipped_drafter_dir`) when there is one, else (``target`` a
     loaded model) a shipped drafter of ``kind`` whose ``drafter.json`` names the target's config
-    and weights hashes (:func:`target_identity`: the same weights loaded from another folder or
-    file), else :func:`default_drafter_dir` (which then holds none: the proposers say how to
+    and weights hashes (:func:`check_target` passes: the same weights loaded from another folder
+    or file), else :func:`default_drafter_dir` (which then holds none: the proposers say how to
     train one).
 
     A folder found by the target's name is still checked on load against the target's identity
@@ -89,7 +88,8 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     Raises:
         ValueError: ``kind`` is not one of :data:`KINDS`.
     """
-    from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE
+    from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, read_drafter_config
+    from specdecode.errors import IncompatibleModelsError
 
     def holds(folder: Path) -> bool:
         return (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
@@ -100,13 +100,14 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     shipped = shipped_drafter_dir(kind, target)
     if holds(shipped):
         return shipped
-    if isinstance(target, PreTrainedModel):
-        identity = target_identity(target)
+    if isinstance(target, PreTrainedModel):  # the same weights under another name: the load-time identity check
         for folder in sorted(shipped_drafters_root().glob(f"{kind}-*")):
             if holds(folder):
-                saved = json.loads((folder / CONFIG_FILE).read_text()).get("target", {})
-                if all(saved.get(key) == identity[key] for key in ("config_hash", "weights_hash")):
-                    return folder
+                try:
+                    check_target(read_drafter_config(folder), target)
+                except (ValueError, IncompatibleModelsError):
+                    continue
+                return folder
     return own
 
 

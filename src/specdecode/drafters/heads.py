@@ -337,6 +337,20 @@ def check_target(config: DrafterConfig, target: PreTrainedModel) -> None:
             )
 
 
+def read_drafter_config(folder: str | Path) -> DrafterConfig:
+    """The :class:`DrafterConfig` saved in ``folder / drafter.json`` (no weights are read).
+
+    Raises:
+        FileNotFoundError: no ``drafter.json`` there.
+        ValueError: a malformed ``drafter.json``.
+    """
+    path = Path(folder) / CONFIG_FILE
+    try:
+        return DrafterConfig(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"drafter: malformed {path}: {error}") from error
+
+
 def save_drafter(drafter: MedusaHeads | EagleHead, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write ``model.safetensors`` and ``drafter.json`` into ``out_dir`` (created); returns it.
 
@@ -379,10 +393,7 @@ def load_drafter(
         raise FileNotFoundError(
             f"drafter: {folder} has no {CONFIG_FILE} and {WEIGHTS_FILE} (train one with specdecode train-drafter)"
         )
-    try:
-        config = DrafterConfig(**json.loads((folder / CONFIG_FILE).read_text()))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"drafter: malformed {folder / CONFIG_FILE}: {error}") from error
+    config = read_drafter_config(folder)
     if kind is not None and config.kind != kind:
         raise ValueError(f"drafter: {folder} holds a {config.kind!r} drafter, not {kind!r}")
     state = load_file(str(folder / WEIGHTS_FILE))
