@@ -166,6 +166,7 @@ def test_a_copied_routed_model_computes_with_its_own_weights(every_linear: None)
     layer = twin.model.layers[0].mlp.up_proj
     assert layer.forward.layer() is layer  # bound to the copy's layer
 
+
 @pytest.mark.parametrize("draft_kind", ["identical", "unrelated", "perturbed"])
 def test_greedy_speculation_through_onednn_equals_target_only(every_linear: None, draft_kind: str) -> None:
     """Greedy float32 equality with target-only decoding when target and draft run on oneDNN

@@ -66,6 +66,108 @@ def test_quantize_int8_converts_a_bfloat16_draft_and_refuses_other_devices() -> 
         quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)), keep_float=("0",))
 
 
+def _tied_bf16_model() -> torch.nn.Module:
+    """A tiny Qwen2 with tied input and output embeddings, in bfloat16 (as the default draft loads
+    where the CPU multiplies bfloat16 natively)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def test_the_int8_copy_keeps_a_16_bit_embedding_table_and_looks_it_up_exactly() -> None:
+    """The embedding table stays bfloat16 (a buffer: the copy's dtype is float32) and is looked up
+    into float32: the copy's logits equal, bit for bit, those of the same copy with a float32 table."""
+    model = make_tiny_model(seed=0).to(torch.bfloat16)
+    quantized = quantize_int8(model, float_dtype=torch.float32)
+    table = quantized.get_input_embeddings()
+    assert table.weight.dtype == torch.bfloat16 and quantized.dtype == torch.float32
+    assert "weight" in dict(table.named_buffers()) and torch.equal(table.weight, model.get_input_embeddings().weight)
+    reference = copy.deepcopy(quantized)
+    reference.set_input_embeddings(torch.nn.Embedding.from_pretrained(table.weight.float()))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        assert torch.equal(quantized(ids).logits, reference(ids).logits)
+    # a float32 draft whose table holds only bfloat16 values (loaded from bfloat16 files) gets it too
+    assert (
+        quantize_int8(copy.deepcopy(model).float(), float_dtype=torch.float32).get_input_embeddings().weight.dtype
+        == torch.bfloat16
+    )
+    # a float32 table with values bfloat16 cannot hold stays float32, an nn.Embedding
+    assert type(quantize_int8(make_tiny_model(seed=0)).get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_layers_left_out_of_int8_in_bfloat16_and_tied_heads() -> None:
+    model = _tied_bf16_model()
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    with torch.inference_mode():
+        as32 = quantize_int8(model, float_dtype=torch.float32)
+        as16 = quantize_int8(model, float_dtype=torch.bfloat16)
+        down16 = as16.get_submodule("model.layers.0.mlp.down_proj")
+        assert down16.weight.dtype == torch.bfloat16 and "weight" in dict(down16.named_buffers())
+        assert as32.get_submodule("model.layers.0.mlp.down_proj").weight.dtype == torch.float32
+        a, b = as32(ids).logits, as16(ids).logits
+        assert a.dtype == b.dtype == torch.float32 and as16.dtype == torch.float32
+        assert not torch.equal(a, b) and float((a - b).abs().max()) < 0.05 * float(a.abs().max())
+        # tied table and a head kept for a token map: shared, in the kept dtype
+        kept32 = quantize_int8(model, keep_head=True, float_dtype=torch.float32)
+        assert kept32.lm_head.weight is kept32.get_input_embeddings().weight  # float32 for the float32 head
+        assert kept32.lm_head.weight.dtype == torch.float32
+        kept16 = quantize_int8(model, keep_head=True, float_dtype=torch.bfloat16)
+        table = kept16.get_input_embeddings().weight
+        assert table.dtype == kept16.lm_head.weight.dtype == torch.bfloat16
+        assert table.untyped_storage().data_ptr() == kept16.lm_head.weight.untyped_storage().data_ptr()
+        # an int8 head, the table on its own in bfloat16
+        assert isinstance(as16.lm_head, torch.ao.nn.quantized.dynamic.Linear)
+        assert as16.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16 and count_int8_linears(model) == 0  # the source is untouched
+    with pytest.raises(ValueError, match="float_dtype"):
+        quantize_int8(model, float_dtype=torch.float16)
+
+
+def test_the_dtype_of_layers_left_out_of_int8_follows_the_cpu(monkeypatch) -> None:
+    model = make_tiny_model(seed=0)
+    monkeypatch.setattr(quant, "native_bf16_matmul", lambda: True)
+    assert quant.int8_float_dtype(copy.deepcopy(model).to(torch.bfloat16)) == torch.bfloat16
+    assert quant.int8_float_dtype(model) == torch.float32  # a float32 draft keeps float32 (oneDNN)
+    down = quantize_int8(copy.deepcopy(model).to(torch.bfloat16)).get_submodule("model.layers.0.mlp.down_proj")
+    assert down.weight.dtype == torch.bfloat16
+    monkeypatch.setattr(quant, "native_bf16_matmul", lambda: False)  # bfloat16 row by row: slow, so float32
+    assert quant.int8_float_dtype(copy.deepcopy(model).to(torch.bfloat16)) == torch.float32
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic:8"])
+def test_greedy_equals_the_target_alone_with_a_bf16_int8_draft(
+    tmp_path, tiny_pair, greedy_outputs, monkeypatch, tree
+) -> None:
+    """A draft loaded in bfloat16: int8 layers, bfloat16 table and ``down_proj`` (as on a CPU with
+    native bfloat16), drafting for the float32 target, with the full head and with a token map (whose
+    int8 reduced head copies rows of the bfloat16 head)."""
+    monkeypatch.setattr(quant, "native_bf16_matmul", lambda: True)
+    draft = copy.deepcopy(tiny_pair["perturbed"]).to(torch.bfloat16)
+    proposer = DraftModelProposer(draft, INT8)
+    model = proposer.runner.model
+    assert model.get_submodule("model.layers.0.mlp.down_proj").weight.dtype == torch.bfloat16
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    from specdecode.proposers.token_map import save_token_map
+
+    path = str(save_token_map(torch.arange(60), tmp_path / "map.npy"))
+    mapped = DraftModelProposer(draft, DraftModelConfig(draft_quantization="int8", token_map=path))
+    assert isinstance(mapped.runner.head_module, torch.ao.nn.quantized.dynamic.Linear)  # rows of the bf16 head
+    for each in (proposer, mapped):
+        spec = SpeculativeGenerator(tiny_pair["target"], proposer=each)
+        accepted = 0
+        for prompt, expected in zip(PROMPTS, greedy_outputs, strict=True):
+            result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=3, tree=tree)
+            assert result.token_ids == expected
+            accepted += result.stats.accepted_tokens
+        assert accepted > 0
+
+
 def test_the_option_is_checked_and_taken_from_the_command_line() -> None:
     spec = get_spec("draft_model")
     assert spec.make_config().draft_quantization == "auto"

@@ -583,6 +583,24 @@ def test_proposer_weight_bytes_counts_what_the_proposer_adds_to_the_target(tiny_
         assert proposer_weight_bytes(proposer, None) > proposer_weight_bytes(proposer, tiny_target)
 
 
+def test_proposer_weight_bytes_counts_prepacked_onednn_copies() -> None:
+    """A float32 layer routed through oneDNN gets a prepacked copy of its weight on its first
+    multi-row call (specdecode.models.cpu): memory the proposer holds from then on."""
+    from specdecode.models.cpu import packed_layers, use_onednn_linears
+    from specdecode.proposers import proposer_weight_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
+    if use_onednn_linears(model) == 0:
+        pytest.skip("this torch build has no oneDNN")
+    plain = 4 * (1024 * 1024 + 1024)
+    assert proposer_weight_bytes(model) == plain
+    with torch.inference_mode():
+        model(torch.randn(2, 1024))  # two rows: the packed copy is made (if memory allows)
+    packed = packed_layers(model)
+    assert proposer_weight_bytes(model) >= plain + packed * 4 * 1024 * 1024
+    assert proposer_weight_bytes(model) < plain + packed * 5 * 1024 * 1024  # its own layout's padding at most
+
+
 def test_proposer_weight_bytes_counts_an_int8_drafts_packed_weights(tiny_target) -> None:
     """torch.ao keeps a dynamic int8 linear's weight packed, outside parameters and buffers: it is
     counted as int8 bytes (out x in) plus its float32 bias, next to the layers left in float."""

@@ -6,14 +6,21 @@ the int8 draft sampled from). So the draft can trade a little agreement for spee
 llama.cpp users pair a target with a more heavily quantized draft.
 
 :func:`quantize_int8` keeps every weight matrix as int8 with one scale per output channel and
-quantizes the activations of each call on the fly (``torch.ao.quantization.quantize_dynamic``
-with ``per_channel_dynamic_qconfig``: the int8 GEMM of fbgemm, blocked for few rows, a quarter
-of float32's bytes). The MLP's ``down_proj`` stays float32 by default: its inputs (the gated MLP
+quantizes the activations of each call on the fly (``torch.ao``'s dynamic quantized ``Linear``
+with ``per_channel_dynamic_qconfig``, layer by layer: the int8 GEMM of fbgemm, blocked for few
+rows, a quarter of float32's bytes). The MLP's ``down_proj`` stays out of int8 by default: its inputs (the gated MLP
 activations) carry the large outlier channels that per-tensor activation scales cannot hold
 (Dettmers et al. 2022, LLM.int8(), arXiv 2208.07339; Xiao et al. 2023, SmoothQuant, arXiv
 2211.10438). Measured on the default draft (Qwen2.5-Coder-0.5B) over 1,024 tokens of Python
 source: the int8 copy's argmax agrees with the float32 draft's on 76% of positions when every
 linear is int8 and on 87% with ``down_proj`` kept float32 (79% of the weights int8).
+
+Memory: the layers left out of int8 keep their bfloat16 weights where the CPU multiplies bfloat16
+natively (:func:`int8_float_dtype`; float32 layers would also get oneDNN's prepacked copy), and the
+embedding table stays bfloat16 (looked up into float32: exact). The default draft's copy holds
+871 MB on an AMD EPYC with AVX512-BF16 against 1,499 MB with those layers in float32 (1,771 MB
+before the table stayed bfloat16), at the same speed within noise and 0.927 / 0.930 argmax
+agreement with the float32 draft (docs/benchmarks.md, "A leaner int8 draft").
 
 Speed on the project's 2-core AVX2 machine (``python scripts/bench_cpu_paths.py --role draft
 --paths float32+onednn,int8 --rounds 3``, docs/benchmarks.md): one pass of the default draft over
@@ -34,9 +41,10 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.models.cpu import use_onednn_linears
+from specdecode.models.cpu import native_bf16_matmul, use_onednn_linears
 from specdecode.models.runner import ModelRunner
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, torch.nn.Module]] = weakref.WeakKeyDictionary()
@@ -46,7 +54,7 @@ _SHARED_HEADS: weakref.WeakKeyDictionary[torch.nn.Module, dict[bytes, torch.nn.M
 DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
 INT8_AUTO_MIN_PARAMETERS = 50_000_000  # "auto" leaves smaller drafts alone: the int8 GEMM pays for memory-bound layers
 AUTO_INT8_DTYPES = (torch.float32, torch.bfloat16)  # drafts "auto" quantizes (both measured faster in int8)
-INT8_KEEP_FLOAT = ("down_proj",)  # linear layers (by name suffix) left in float32
+INT8_KEEP_FLOAT = ("down_proj",)  # linear layers (by name suffix) left out of int8
 
 
 def check_draft_quantization(value: str | None) -> str | None:
@@ -83,32 +91,112 @@ def resolve_draft_quantization(value: str | None, model: torch.nn.Module) -> str
     return "int8" if on_cpu and big else "none"
 
 
+class _UpcastEmbedding(torch.nn.Module):
+    """An input embedding kept in bfloat16 (or float16) inside an otherwise float32 int8 copy: looks
+    rows up in the 16-bit table and returns them as float32, which is exact (every 16-bit float is a
+    float32). The table is a buffer, not a parameter, so the copy's ``dtype`` stays float32.
+
+    Takes int64 ids ``[...]``, returns float32 ``[..., embedding_dim]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = (int(n) for n in weight.shape)
+        self.padding_idx = padding_idx
+        self.register_buffer("weight", weight.detach())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight, self.padding_idx).float()
+
+
+class _CastLinear(torch.nn.Linear):
+    """A linear layer left out of int8 that keeps its bfloat16 weight inside the float32 copy: casts
+    each call's input to bfloat16 and the result back to float32 (one bfloat16 GEMM, where the CPU
+    multiplies bfloat16 natively: :func:`~specdecode.models.cpu.native_bf16_matmul`). Weight and
+    bias are buffers, as in :class:`_UpcastEmbedding`, so the copy's ``dtype`` stays float32; it is
+    an ``nn.Linear`` for code that reads a head's ``weight`` (a reduced head copies rows of it).
+
+    Takes float32 ``[..., in_features]``, returns float32 ``[..., out_features]``.
+    """
+
+    def __init__(self, layer: torch.nn.Linear) -> None:
+        torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight parameter
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_buffer("weight", layer.weight.detach())  # shared with ``layer``: a tied table stays tied
+        self.register_buffer("bias", layer.bias.detach() if layer.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+def int8_float_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype :func:`quantize_int8` keeps the layers it leaves out of int8 in (``down_proj``, a
+    kept head) when not told: bfloat16 for a bfloat16 ``model`` on a CPU that multiplies bfloat16
+    natively (half float32's bytes, no prepacked float32 copy, the weights as loaded), else float32
+    (through oneDNN's few-row path).
+
+    Measured on the default draft, AMD EPYC with AVX512-BF16 (``scripts/bench_cpu_paths.py --role
+    draft --paths int8,int8+float32``, interleaved; docs/benchmarks.md, "A leaner int8 draft"):
+    passes over 1 / 5 / 9 / 17 tokens within noise of each other (43 / 51 / 65 / 88 ms against
+    42 / 47 / 64 / 93 ms), 871 MB against 1,499 MB.
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return torch.bfloat16 if dtypes == {torch.bfloat16} and native_bf16_matmul() else torch.float32
+
+
+def _replace(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def _exact_in_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether a float32 ``weight`` holds only bfloat16 values (e.g. loaded from bfloat16 files)."""
+    return bool(torch.equal(weight, weight.to(torch.bfloat16).float()))
+
+
 def quantize_int8(
     model: torch.nn.Module,
     keep_float: Sequence[str] = INT8_KEEP_FLOAT,
     keep_head: bool = False,
+    float_dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """A copy of ``model`` whose ``nn.Linear`` layers compute in dynamic int8 (see the module docstring).
 
-    The copy is float32 (a bfloat16 model is converted first; embeddings and norms stay float32)
-    and takes and returns float32 activations as before; ``model`` is not modified. Layers left in
-    float32 keep (or get) the oneDNN few-row path of :func:`~specdecode.models.cpu.use_onednn_linears`.
+    The copy computes in float32 and takes and returns float32 activations; ``model`` is not
+    modified. Layers are quantized one at a time from the source (no whole float32 copy of the
+    model is made). What stays out of int8:
+
+    - the layers named by ``keep_float`` (and the head with ``keep_head``), in ``float_dtype``:
+      float32 layers keep (or get) the oneDNN few-row path of
+      :func:`~specdecode.models.cpu.use_onednn_linears`; bfloat16 layers cast their input to
+      bfloat16 and their output back to float32;
+    - the input embedding: a bfloat16 / float16 table stays in its dtype and is looked up into
+      float32 (exact), and so does a float32 table whose values are all bfloat16 values (a draft
+      loaded in float32 from bfloat16 files); a table tied to a head kept in float32 stays float32;
+    - norms and the other small tensors, in float32.
 
     Args:
         model: a causal LM (or any module) on the CPU.
-        keep_float: name suffixes of linear layers to leave in float32 (default ``("down_proj",)``).
-        keep_head: also leave the output head (``get_output_embeddings()``) in float32, for callers
+        keep_float: name suffixes of linear layers to leave out of int8 (default ``("down_proj",)``).
+        keep_head: also leave the output head (``get_output_embeddings()``) out of int8, for callers
             that read its weight (a reduced head over a token map copies rows of it).
+        float_dtype: ``torch.float32`` or ``torch.bfloat16`` for the layers left out of int8; None
+            picks :func:`int8_float_dtype` (bfloat16 only for a bfloat16 model where the CPU
+            multiplies bfloat16 natively).
 
     Returns:
         The quantized copy, in eval mode.
 
     Raises:
-        ValueError: ``model`` has parameters off the CPU (no CUDA kernel), or no linear layer to quantize.
+        ValueError: ``model`` has parameters off the CPU (no CUDA kernel), no linear layer to
+            quantize, or ``float_dtype`` is neither float32 nor bfloat16.
     """
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise ValueError(f"draft_quantization='int8' runs on the CPU only; the draft is on {sorted(devices)}")
+    if float_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"float_dtype must be torch.float32, torch.bfloat16 or None, got {float_dtype!r}")
+    kept_dtype = float_dtype or int8_float_dtype(model)
     head = model.get_output_embeddings() if keep_head and isinstance(model, PreTrainedModel) else None
     names = [
         name
@@ -119,15 +207,33 @@ def quantize_int8(
     ]
     if not names:
         raise ValueError("draft_quantization='int8': the draft has no linear layer left to quantize")
-    work = copy.deepcopy(model).float()
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    with warnings.catch_warnings():  # torch 2.13 points eager-mode quantization users at torchao
-        warnings.simplefilter("ignore")
-        quantized = torch.ao.quantization.quantize_dynamic(
-            work, dict.fromkeys(names, qconfig), dtype=torch.qint8, inplace=True
-        )
-    use_onednn_linears(quantized)
-    return quantized.eval()
+    work = copy.deepcopy(model)  # in the source's dtype
+    with torch.no_grad():
+        for name in names:
+            _replace(work, name, int8_linear(work.get_submodule(name)))
+        for name, module in list(work.named_modules()):
+            if type(module) is torch.nn.Linear and module.weight.dtype == kept_dtype == torch.bfloat16:
+                _replace(work, name, _CastLinear(module))
+        float_weights = {m.weight.untyped_storage().data_ptr() for m in work.modules() if type(m) is torch.nn.Linear}
+        embedding = work.get_input_embeddings() if isinstance(work, PreTrainedModel) else None
+        if (
+            type(embedding) is torch.nn.Embedding
+            and embedding.weight.untyped_storage().data_ptr() not in float_weights
+            and (embedding.weight.dtype != torch.float32 or _exact_in_bfloat16(embedding.weight))
+        ):
+            table = embedding.weight if embedding.weight.dtype != torch.float32 else embedding.weight.bfloat16()
+            work.set_input_embeddings(_UpcastEmbedding(table, embedding.padding_idx))
+        for module in work.modules():  # the rest in float32
+            if isinstance(module, _UpcastEmbedding | _CastLinear):
+                continue
+            for param in module._parameters.values():
+                if param is not None and param.is_floating_point() and param.dtype != torch.float32:
+                    param.data = param.data.float()
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                    module._buffers[key] = buffer.float()
+    use_onednn_linears(work)
+    return work.eval()
 
 
 def int8_linear(layer: torch.nn.Linear) -> torch.nn.Module:

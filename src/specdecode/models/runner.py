@@ -53,7 +53,7 @@ def check_decoder_logits(model: PreTrainedModel, what: str) -> None:
         full = model(input_ids=probe, use_cache=False).logits[0, -1].float()  # (V,)
         hidden = model.get_decoder()(input_ids=probe, use_cache=False).last_hidden_state  # (1, 1, H)
         head = model.get_output_embeddings()  # its weights, not its forward: hooks may rescale the output
-        mine = F.linear(hidden, head.weight, head.bias)[0, -1].float()  # (V,)
+        mine = F.linear(hidden.to(head.weight.dtype), head.weight, head.bias)[0, -1].float()  # (V,)
     if not torch.allclose(mine, full, rtol=0.0, atol=1e-2 * (1.0 + float(full.abs().max()))):
         raise ValueError(
             f"{what}: the logits of {type(model).__name__} are not lm_head(get_decoder() hidden states) "

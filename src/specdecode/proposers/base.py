@@ -88,7 +88,18 @@ class Proposer(Protocol):
     #   def observe_features(self, hidden: torch.Tensor) -> None: ...  # [m, H], the kept positions in order
 
 
-def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = None, max_depth: int = 4) -> int:
+def _attributes(value: object) -> list[object]:
+    """The attribute values of an object, from its ``__dict__`` and its ``__slots__``."""
+    found = list(vars(value).values()) if hasattr(value, "__dict__") else []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name != "__dict__" and hasattr(value, name):
+                found.append(getattr(value, name))
+    return found
+
+
+def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = None, max_depth: int = 6) -> int:
     """Bytes of the weights a proposer holds beyond the target's: its memory cost next to the target.
 
     Counted: the parameters and buffers of every ``torch.nn.Module`` reachable from the proposer's
@@ -96,7 +107,9 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
     weights and biases of dynamically quantized linears (``torch.ao`` keeps them outside
     parameters and buffers: :func:`specdecode.models.quant.quantize_int8`), and tensors that
     specdecode's own objects keep inside such a module (e.g. a drafter's copy of the target's
-    LM-head rows); each storage (each quantized layer) once. Not counted: storages the ``target``
+    LM-head rows, or the prepacked oneDNN copy of a float32 layer's weight that
+    :func:`specdecode.models.cpu.use_onednn_linears` makes on the first multi-token pass: counted
+    once it exists); each storage (each quantized layer) once. Not counted: storages the ``target``
     owns (shared embeddings, the target's layers an early-exit proposer reuses) and per-request
     state (tensors a proposer keeps outside modules, such as the tokens in its cache;
     ``transformers`` KV caches), which grows with the context rather than being a cost of the
@@ -122,6 +135,9 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
 
     def count(tensor: torch.Tensor) -> None:
         nonlocal total
+        if tensor.is_mkldnn:  # an opaque oneDNN tensor (a prepacked weight) has no storage to share
+            total += int(torch.ops.mkldnn._nbytes(tensor))  # walk() reaches each tensor object once
+            return
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if tensor.device.type == "meta" or pointer in own or pointer in seen_storages:
@@ -156,8 +172,8 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
         elif isinstance(value, dict):
             for item in value.values():
                 walk(item, depth + 1, in_module)
-        elif ours(value) and hasattr(value, "__dict__"):
-            for attr in vars(value).values():
+        elif ours(value):
+            for attr in _attributes(value):
                 walk(attr, depth + 1, in_module)
 
     walk(proposer, 0)

@@ -41,7 +41,7 @@ class DraftModelConfig:
         draft_vocab_size: use only the first N ids of ``token_map`` (its N most frequent tokens);
             None uses all of it. A string of an integer (from the command line) is accepted.
         draft_quantization: ``"int8"`` drafts with a dynamic int8 copy of the draft's linear layers
-            (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays float32;
+            (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays out of int8;
             with a token map the reduced head is int8 too, :func:`~specdecode.models.quant.int8_linear`):
             a drafted token cost 0.6 of the float32 draft's on an AVX2 CPU and 0.69 of the bfloat16
             draft's on an Intel CPU with AMX (bench cost ratio c 0.403 -> 0.280), at the same
