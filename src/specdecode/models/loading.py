@@ -73,9 +73,9 @@ def load_model(
 
     A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
     few tokens (:func:`specdecode.models.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
-    default kernels). Routed layers refer to themselves (their bound ``forward``), so a dropped
-    model is freed by Python's cycle collector, not at once: a collection runs here first, so
-    that a model loaded after another has been dropped does not find its memory still taken.
+    default kernels). A collection of Python's cycle collector runs first, so that a model
+    loaded after another was dropped does not find memory still held by objects in reference
+    cycles (routed layers themselves form none: they hold their layer weakly).
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
