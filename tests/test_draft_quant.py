@@ -248,9 +248,15 @@ def test_int8_with_a_token_map_and_the_early_exit_proposer(tmp_path, tiny_pair, 
     target = tiny_pair["target"]
     config = DraftModelConfig(draft_quantization="int8", token_map=path)
     mapped = DraftModelProposer(tiny_pair["perturbed"], config)
-    assert type(mapped.runner.model.lm_head) is torch.nn.Linear  # the reduced head copies its rows
-    head = mapped.runner.head_module  # ... and is int8 itself, one copy per draft and map
-    assert isinstance(head, torch.ao.nn.quantized.dynamic.Linear) and head.out_features == 60
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    full = mapped.runner.model.lm_head  # the copy keeps no float head: the reduced head is rows of the int8 one
+    assert (
+        isinstance(full, dynamic)
+        and mapped.runner.model is DraftModelProposer(tiny_pair["perturbed"], INT8).runner.model
+    )
+    head = mapped.runner.head_module  # ... one per draft and map
+    assert isinstance(head, dynamic) and head.out_features == 60
+    assert torch.equal(head.weight().int_repr(), full.weight().int_repr()[:60])
     assert DraftModelProposer(tiny_pair["perturbed"], config).runner.head_module is head
     early = EarlyExitProposer(target, EarlyExitConfig(exit_layer=1, draft_quantization="int8"))
     assert count_int8_linears(early.runner.model) > 0 and count_int8_linears(target) == 0
@@ -323,6 +329,27 @@ def test_int8_linear_approximates_the_layer_and_refuses_other_modules() -> None:
     assert 0 < error < 0.05, error
     with pytest.raises(ValueError, match="int8_linear"):
         quant.int8_linear(torch.nn.Conv1d(2, 2, 1))  # type: ignore[arg-type]
+
+
+def test_int8_rows_are_the_int8_linear_of_the_float_rows() -> None:
+    """Per-row scales: the rows of an int8 layer are exactly the int8 layer of the float rows."""
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 300)
+    rows = torch.tensor([7, 0, 299, 42, 100])
+    picked = quant.int8_rows(quant.int8_linear(layer), rows)
+    float_rows = torch.nn.Linear(64, 5)
+    with torch.no_grad():
+        float_rows.weight.copy_(layer.weight[rows])
+        float_rows.bias.copy_(layer.bias[rows])
+    direct = quant.int8_linear(float_rows)
+    assert torch.equal(picked.weight().int_repr(), direct.weight().int_repr())
+    assert torch.equal(picked.weight().q_per_channel_scales(), direct.weight().q_per_channel_scales())
+    x = torch.randn(3, 64)
+    assert torch.equal(picked(x), direct(x))
+    with pytest.raises(ValueError, match="int8_rows"):
+        quant.int8_rows(layer, rows)  # a float layer
+    with pytest.raises(ValueError, match="int8_rows"):
+        quant.int8_rows(quant.int8_linear(layer), torch.tensor([300]))
 
 
 def test_proposers_of_one_draft_share_its_int8_copy(tiny_pair) -> None:

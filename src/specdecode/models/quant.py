@@ -47,7 +47,7 @@ from transformers import PreTrainedModel
 from specdecode.models.cpu import native_bf16_matmul, use_onednn_linears
 from specdecode.models.runner import ModelRunner
 
-_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, torch.nn.Module]] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
 _SHARED_HEADS: weakref.WeakKeyDictionary[torch.nn.Module, dict[bytes, torch.nn.Module]] = weakref.WeakKeyDictionary()
 
@@ -179,7 +179,8 @@ def quantize_int8(
         model: a causal LM (or any module) on the CPU.
         keep_float: name suffixes of linear layers to leave out of int8 (default ``("down_proj",)``).
         keep_head: also leave the output head (``get_output_embeddings()``) out of int8, for callers
-            that read its weight (a reduced head over a token map copies rows of it).
+            that read its float weight (an int8 draft's reduced head over a token map does not: it
+            takes rows of the int8 head, :func:`int8_rows`).
         float_dtype: ``torch.float32`` or ``torch.bfloat16`` for the layers left out of int8; None
             picks :func:`int8_float_dtype` (bfloat16 only for a bfloat16 model where the CPU
             multiplies bfloat16 natively).
@@ -238,10 +239,9 @@ def quantize_int8(
 
 def int8_linear(layer: torch.nn.Linear) -> torch.nn.Module:
     """A dynamic int8 copy of one float ``nn.Linear`` (the quantization of :func:`quantize_int8`:
-    int8 weights with one scale per output row, activations quantized per call), used for the
-    reduced LM head of an int8 draft over a token map (FR-Spec's head, then int8: both savings).
-    Takes and returns float32 ``[..., in_features]`` -> ``[..., out_features]``; ``layer`` is
-    not modified.
+    int8 weights with one scale per output row, activations quantized per call), the layer by
+    layer step of :func:`quantize_int8`. Takes and returns float32 ``[..., in_features]`` ->
+    ``[..., out_features]``; ``layer`` is not modified.
 
     Raises:
         ValueError: ``layer`` is not an ``nn.Linear`` on the CPU.
@@ -255,31 +255,63 @@ def int8_linear(layer: torch.nn.Linear) -> torch.nn.Module:
         return torch.ao.nn.quantized.dynamic.Linear.from_float(work).eval()
 
 
-def shared_int8_copy(model: torch.nn.Module, keep_head: bool = False) -> torch.nn.Module:
-    """:func:`quantize_int8` of ``model`` with the default float layers, made once per model and
-    ``keep_head`` and then shared (while ``model`` lives): a server builds a proposer per request,
-    and each would otherwise copy and quantize the draft. The copy holds weights only; every
-    proposer keeps its own cache. For token trees the copy inherits the float model's attention-mask
-    check (:meth:`~specdecode.models.runner.ModelRunner.share_masking_check`), run here once.
-    Same arguments and errors as :func:`quantize_int8`."""
+def int8_rows(layer: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
+    """A dynamic int8 linear made of the output rows ``rows`` of the dynamic int8 linear ``layer``
+    (the reduced LM head of an int8 draft over a token map: FR-Spec's head, then int8, both
+    savings). With one scale and zero point per output row, these rows are exactly what
+    :func:`int8_linear` makes of the same rows of the float layer. Takes and returns float32
+    ``[..., in_features]`` -> ``[..., len(rows)]``; ``layer`` is not modified.
+
+    Raises:
+        ValueError: ``layer`` is not a per-channel dynamic int8 linear, or ``rows`` is not a 1-D
+            tensor of distinct ids in ``[0, out_features)``.
+    """
+    dynamic = torch.ao.nn.quantized.dynamic.Linear
+    weight = layer.weight() if isinstance(layer, dynamic) else None
+    if weight is None or weight.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric):
+        raise ValueError(f"int8_rows needs a per-channel dynamic int8 linear, got {type(layer).__name__}")
+    ids = torch.as_tensor(rows).to("cpu", torch.int64)
+    if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= layer.out_features:
+        raise ValueError(f"int8_rows: rows must be a 1-D tensor of ids in [0, {layer.out_features})")
+    if weight.q_per_channel_axis() != 0:
+        raise ValueError("int8_rows needs weight scales per output row (axis 0)")
+    picked = torch._make_per_channel_quantized_tensor(
+        weight.int_repr()[ids].contiguous(),
+        weight.q_per_channel_scales()[ids].contiguous(),
+        weight.q_per_channel_zero_points()[ids].contiguous(),
+        0,
+    )  # (N, in): the same int8 values and scales
+    bias = layer.bias()
+    out = dynamic(layer.in_features, ids.numel(), bias_=bias is not None, dtype=torch.qint8)
+    out.set_weight_bias(picked, bias[ids].contiguous() if bias is not None else None)
+    return out.eval()
+
+
+def shared_int8_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """:func:`quantize_int8` of ``model`` with the default settings, made once per model and then
+    shared (while ``model`` lives): a server builds a proposer per request, and each would
+    otherwise copy and quantize the draft. The copy holds weights only; every proposer keeps its
+    own cache. For token trees the copy inherits the float model's attention-mask check
+    (:meth:`~specdecode.models.runner.ModelRunner.share_masking_check`), run here once.
+    Same errors as :func:`quantize_int8`."""
     with _SHARED_LOCK:
-        copies = _SHARED.setdefault(model, {})
-        if keep_head not in copies:
-            copies[keep_head] = quantize_int8(model, keep_head=keep_head)
+        if model not in _SHARED:
+            _SHARED[model] = quantize_int8(model)
             if isinstance(model, PreTrainedModel):
-                ModelRunner(model).share_masking_check(copies[keep_head])
-        return copies[keep_head]
+                ModelRunner(model).share_masking_check(_SHARED[model])
+        return _SHARED[model]
 
 
-def shared_int8_head(layer: torch.nn.Linear, model: torch.nn.Module, head_ids: torch.Tensor) -> torch.nn.Module:
-    """:func:`int8_linear` of the reduced head ``layer`` (the rows ``head_ids`` of ``model``'s LM
-    head), made once per ``model`` and ``head_ids`` and then shared while ``model`` lives, as
-    :func:`shared_int8_copy` shares the layers. Same errors as :func:`int8_linear`."""
+def shared_int8_head(model: torch.nn.Module, head_ids: torch.Tensor) -> torch.nn.Module:
+    """:func:`int8_rows` of the int8 LM head of ``model``'s shared int8 copy
+    (:func:`shared_int8_copy`) at ``head_ids``, made once per ``model`` and ``head_ids`` and then
+    shared while ``model`` lives. Same errors as :func:`int8_rows`."""
     key = torch.as_tensor(head_ids).to("cpu", torch.int64).numpy().tobytes()
+    copy = shared_int8_copy(model)
     with _SHARED_LOCK:
         heads = _SHARED_HEADS.setdefault(model, {})
         if key not in heads:
-            heads[key] = int8_linear(layer)
+            heads[key] = int8_rows(copy.get_output_embeddings(), torch.as_tensor(head_ids))
         return heads[key]
 
 

@@ -62,6 +62,14 @@ def check_decoder_logits(model: PreTrainedModel, what: str) -> None:
     _PLAIN_OK[model] = True
 
 
+def share_plain_check(model: PreTrainedModel, copy: PreTrainedModel, what: str) -> None:
+    """:func:`check_decoder_logits` on ``model``, counted as passed for ``copy`` too: a copy with
+    the same forward whose linear layers were quantized (:func:`specdecode.models.quant.quantize_int8`),
+    whose int8 head has no float ``weight`` to run the check with. Same errors."""
+    check_decoder_logits(model, what)
+    _PLAIN_OK[copy] = True
+
+
 class ModelRunner:
     """Runs a Hugging Face causal LM one sequence at a time, keeping its KV cache between calls.
 
@@ -79,22 +87,29 @@ class ModelRunner:
     Args:
         model: a ``transformers`` causal LM (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...).
         head_ids: int64 ``[N]`` distinct token ids in ``[0, vocab_size)``, or None (the full head).
+        head_module: the reduced head itself (``H -> N``, the rows ``head_ids`` of the model's
+            head), made by the caller, e.g. rows of an int8 head
+            (:func:`specdecode.models.quant.int8_rows`); None copies the rows here.
 
     Raises:
-        ValueError: bad ``head_ids``, or a model whose logits are not plain ``lm_head(hidden
-            states)`` (logit soft-capping or scaling, or a forward that does not use
-            ``get_decoder()``), which a reduced head would not reproduce.
+        ValueError: bad ``head_ids``, ``head_module`` without ``head_ids``, or a model whose
+            logits are not plain ``lm_head(hidden states)`` (logit soft-capping or scaling, or a
+            forward that does not use ``get_decoder()``), which a reduced head would not reproduce.
     """
 
-    def __init__(self, model: PreTrainedModel, head_ids: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, head_ids: torch.Tensor | None = None, head_module: torch.nn.Module | None = None
+    ) -> None:
         self.model = model.eval()
         self.cache = DynamicCache(config=model.config)
         self.length = 0
         self.head_ids: torch.Tensor | None = None  # int64 [N] on the model's device, or None
+        if head_module is not None and head_ids is None:
+            raise ValueError("head_module needs head_ids (the token ids of its rows)")
         if head_ids is not None:
-            self._init_head(head_ids)
+            self._init_head(head_ids, head_module)
 
-    def _init_head(self, head_ids: torch.Tensor) -> None:
+    def _init_head(self, head_ids: torch.Tensor, head_module: torch.nn.Module | None) -> None:
         V = self.vocab_size
         ids = torch.as_tensor(head_ids)
         if ids.dim() != 1 or ids.numel() == 0 or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
@@ -104,8 +119,11 @@ class ModelRunner:
                 f"head_ids must be distinct ids in [0, {V}), got min {int(ids.min())}, max {int(ids.max())}"
             )
         check_decoder_logits(self.model, "head_ids")
-        head = self.model.get_output_embeddings()
         self.head_ids = ids.to(device=self.device, dtype=torch.int64)  # (N,)
+        if head_module is not None:
+            self.head_module = head_module.eval()
+            return
+        head = self.model.get_output_embeddings()
         weight = head.weight.detach()[self.head_ids].contiguous()  # (N, H): a copy
         reduced = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=head.bias is not None, device="meta")
         reduced.weight = torch.nn.Parameter(weight, requires_grad=False)

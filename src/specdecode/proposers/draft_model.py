@@ -14,7 +14,7 @@ from specdecode.models.quant import (
     shared_int8_copy,
     shared_int8_head,
 )
-from specdecode.models.runner import ModelRunner
+from specdecode.models.runner import ModelRunner, share_plain_check
 from specdecode.proposers.base import DraftTokens
 from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
 from specdecode.proposers.token_map import load_token_map
@@ -42,7 +42,7 @@ class DraftModelConfig:
             None uses all of it. A string of an integer (from the command line) is accepted.
         draft_quantization: ``"int8"`` drafts with a dynamic int8 copy of the draft's linear layers
             (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays out of int8;
-            with a token map the reduced head is int8 too, :func:`~specdecode.models.quant.int8_linear`):
+            with a token map the reduced head is rows of the int8 head, :func:`~specdecode.models.quant.int8_rows`):
             a drafted token cost 0.6 of the float32 draft's on an AVX2 CPU and 0.69 of the bfloat16
             draft's on an Intel CPU with AMX (bench cost ratio c 0.403 -> 0.280), at the same
             acceptance; the output stays exact.
@@ -158,14 +158,16 @@ class DraftModelProposer:
                 f"vocabulary of {V}: it was built for another tokenizer"
             )
         self.quantization = resolve_draft_quantization(self.config.draft_quantization, model)
+        source, head_module = model, None
         if self.quantization == "int8":
-            model = shared_int8_copy(model, keep_head=head_ids is not None)  # type: ignore[assignment]
+            model = shared_int8_copy(model)  # type: ignore[assignment]
         try:
-            self.runner = ModelRunner(model, head_ids=head_ids)
+            if self.quantization == "int8" and head_ids is not None:
+                share_plain_check(source, model, "head_ids")  # the int8 head has no float weight to check with
+                head_module = shared_int8_head(source, head_ids)  # rows of the copy's int8 head
+            self.runner = ModelRunner(model, head_ids=head_ids, head_module=head_module)
         except ValueError as error:
             raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
-        if head_ids is not None and self.quantization == "int8":
-            self.runner.head_module = shared_int8_head(self.runner.head_module, model, head_ids)
         self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
 
     @property
