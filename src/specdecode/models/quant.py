@@ -114,7 +114,7 @@ class _CastLinear(torch.nn.Linear):
     each call's input to bfloat16 and the result back to float32 (one bfloat16 GEMM, where the CPU
     multiplies bfloat16 natively: :func:`~specdecode.models.cpu.native_bf16_matmul`). Weight and
     bias are buffers, as in :class:`_UpcastEmbedding`, so the copy's ``dtype`` stays float32; it is
-    an ``nn.Linear`` for code that reads a head's ``weight`` (a reduced head copies rows of it).
+    an ``nn.Linear`` for code that reads a kept head's ``weight`` (``keep_head``).
 
     Takes float32 ``[..., in_features]``, returns float32 ``[..., out_features]``.
     """
@@ -263,8 +263,8 @@ def int8_rows(layer: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
     ``[..., in_features]`` -> ``[..., len(rows)]``; ``layer`` is not modified.
 
     Raises:
-        ValueError: ``layer`` is not a per-channel dynamic int8 linear, or ``rows`` is not a 1-D
-            tensor of distinct ids in ``[0, out_features)``.
+        ValueError: ``layer`` is not a per-channel dynamic int8 linear, or ``rows`` is not a
+            non-empty 1-D tensor of ids in ``[0, out_features)``.
     """
     dynamic = torch.ao.nn.quantized.dynamic.Linear
     weight = layer.weight() if isinstance(layer, dynamic) else None
