@@ -312,6 +312,20 @@ def test_hf_assisted_with_another_draft_is_parsed_and_checked(models, tmp_path):
         parse_method(f"hf_assisted(draft={tmp_path / 'missing'})")
 
 
+def test_a_method_can_fix_its_own_k(models, questions):
+    """``prompt_lookup(k=2)`` drafts at most 2 tokens per step while the sweep's k is 5, in one
+    column; a bad k or a k on a tree is refused before anything runs."""
+    results = run(models, questions, ["target", "prompt_lookup(k=2)", "prompt_lookup"], ks=(5,))
+    assert results["methods"] == ["target", "prompt_lookup(k=2)", "prompt_lookup[k=5]"]
+    drafted = {}
+    for r in results["records"]:
+        drafted.setdefault(r["method"], []).append(len(r["stats"]["drafted_per_position"]))
+    assert max(drafted["prompt_lookup(k=2)"]) <= 2 and max(drafted["prompt_lookup[k=5]"]) > 2
+    for bad in ("prompt_lookup(k=0)", "prompt_lookup(k=65)", "prompt_lookup(k=two)", "draft_model(k=2)@tree8"):
+        with pytest.raises(ValueError, match="k= must be"):
+            expand([bad], [3])
+
+
 def test_a_label_names_a_method_with_options(models):
     from specdecode.bench.methods import PROPOSERS, parse_method
 

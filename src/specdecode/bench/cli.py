@@ -35,7 +35,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument(
         "--methods",
         help="comma list of methods (default: all registered); a proposer method may carry options and a "
-        "schedule, e.g. 'draft_model(draft_confidence=0.4)+adaptive' (see specdecode.bench.methods)",
+        "schedule, e.g. 'draft_model(draft_confidence=0.4)+adaptive', its own k, 'eagle(k=2)', and a "
+        "report label, 'draft_model(prompt_lookup_min=2,label=draft+lookup)' (see specdecode.bench.methods)",
     )
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")

@@ -20,7 +20,8 @@ SmolLM2 beside ``draft_model`` on ``--draft`` in the same run.
 A proposer method can carry its options and a schedule (:mod:`specdecode.schedule`) in its name:
 ``NAME(option=value,...)+SCHEDULE``, e.g. ``draft_model(token_map=default,draft_vocab_size=32768)``,
 ``prompt_lookup+adaptive`` or ``early_exit(exit_layer=8)+heuristic`` (:func:`parse_method`), and a
-token tree after ``@``: ``draft_model@tree16``, ``draft_model@dynamic:16``.
+token tree after ``@``: ``draft_model@tree16``, ``draft_model@dynamic:16``. The option ``k=N`` gives
+a chain method its own k (one column, whatever ``-k`` sweeps): ``eagle(k=2)``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.engine import MAX_SPECULATIVE_TOKENS as MAX_K
 from specdecode.engine import SpeculativeGenerator
 from specdecode.proposers import PROPOSERS as LIBRARY_PROPOSERS
 from specdecode.proposers.base import Proposer
@@ -239,8 +241,15 @@ def register_method(method: Method) -> Method:
 
 
 def _engine_run(
-    proposer: str | None, schedule: str = "constant", tree: str | None = None, dtype: str | None = None
+    proposer: str | None,
+    schedule: str = "constant",
+    tree: str | None = None,
+    dtype: str | None = None,
+    k: int | None = None,
 ) -> RunFn:
+    """Our engine's run function; ``k`` fixes the method's k (the sweep's k is then ignored)."""
+    fixed_k = k
+
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
         generator = models.generator(proposer) if dtype is None else models.target_in(dtype)
         sampling = settings.sampling()
@@ -248,7 +257,7 @@ def _engine_run(
         result = generator.generate(
             prompt_ids,
             sampling,
-            num_speculative_tokens=k or 1,
+            num_speculative_tokens=fixed_k or k or 1,
             speculative=bool(proposer),
             schedule=schedule,
             tree=tree,
@@ -336,7 +345,8 @@ def split_methods(text: str) -> list[str]:
 def parse_method(text: str) -> Method:
     """The method named ``text``: a registered name, or ``PROPOSER(option=value,...)+SCHEDULE@TREE``.
 
-    The option ``label=NAME`` names the method in the reports (instead of ``text``).
+    The option ``label=NAME`` names the method in the reports (instead of ``text``); ``k=N``
+    fixes the method's k (a chain's; the method then takes no k from the sweep).
 
     ``@TREE`` drafts token trees (:func:`specdecode.tree.parse_tree`: ``@tree16``,
     ``@dynamic:16``, ``@shape.json``); a tree method takes no k.
@@ -372,6 +382,11 @@ def parse_method(text: str) -> Method:
         if not sep:
             raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
         options[key] = _option_value(value)
+    fixed_k = options.pop("k", None)  # this method's own k, instead of the sweep's
+    if fixed_k is not None and (tree is not None or type(fixed_k) is not int or not 1 <= fixed_k <= MAX_K):
+        raise ValueError(
+            f"method {text!r}: k= must be an integer in [1, {MAX_K}] on a chain (no @tree), got {fixed_k!r}"
+        )
     base = METHODS[name]
     key = label = text  # key: the proposer's entry in PROPOSERS; label: the method's name in the reports
     if "label" in options:  # a short name for the reports (a drafter path makes a long one)
@@ -403,7 +418,8 @@ def parse_method(text: str) -> Method:
     else:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
-    return Method(label, _engine_run(key, schedule, tree), uses_k=tree is None, needs_draft=needs_draft)
+    run = _engine_run(key, schedule, tree, k=fixed_k)
+    return Method(label, run, uses_k=tree is None and fixed_k is None, needs_draft=needs_draft)
 
 
 def _target_in(text: str, options: str) -> Method:
