@@ -321,6 +321,8 @@ def test_a_method_can_fix_its_own_k(models, questions):
     for r in results["records"]:
         drafted.setdefault(r["method"], []).append(len(r["stats"]["drafted_per_position"]))
     assert max(drafted["prompt_lookup(k=2)"]) <= 2 and max(drafted["prompt_lookup[k=5]"]) > 2
+    ks = {r["method"]: r["settings"]["num_speculative_tokens"] for r in results["records"]}
+    assert ks == {"target": None, "prompt_lookup(k=2)": 2, "prompt_lookup[k=5]": 5}
     for bad in ("prompt_lookup(k=0)", "prompt_lookup(k=65)", "prompt_lookup(k=two)", "draft_model(k=2)@tree8"):
         with pytest.raises(ValueError, match="k= must be"):
             expand([bad], [3])

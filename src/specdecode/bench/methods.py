@@ -205,6 +205,7 @@ class Method:
         uses_k: takes ``num_speculative_tokens`` (one column per k of a sweep).
         peer: not our engine: an exception marks it skipped instead of stopping the benchmark.
         needs_draft: needs the draft model loaded.
+        fixed_k: the k a chain method fixed with its ``k=`` option (it then takes none from a sweep).
     """
 
     name: str
@@ -212,6 +213,7 @@ class Method:
     uses_k: bool = False
     peer: bool = False
     needs_draft: bool = False
+    fixed_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -419,7 +421,7 @@ def parse_method(text: str) -> Method:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
     run = _engine_run(key, schedule, tree, k=fixed_k)
-    return Method(label, run, uses_k=tree is None and fixed_k is None, needs_draft=needs_draft)
+    return Method(label, run, uses_k=tree is None and fixed_k is None, needs_draft=needs_draft, fixed_k=fixed_k)
 
 
 def _target_in(text: str, options: str) -> Method:
