@@ -42,7 +42,7 @@ def test_quantize_int8_copies_and_keeps_down_proj_and_the_source() -> None:
     assert count_int8_linears(quantized) == layers * 6 + 1  # q, k, v, o, gate, up per layer, and the head
     assert all(kinds[f"model.layers.{i}.mlp.down_proj"] is torch.nn.Linear for i in range(layers))
     assert kinds["lm_head"] is dynamic
-    assert count_int8_linears(quantize_int8(model, keep_head=True)) == layers * 6
+    assert count_int8_linears(quantize_int8(model, keep_float=("down_proj", "lm_head"))) == layers * 6
     assert count_int8_linears(quantize_int8(model, keep_float=())) == layers * 7 + 1
     assert count_int8_linears(model) == 0  # the source is not touched
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -114,10 +114,10 @@ def test_layers_left_out_of_int8_in_bfloat16_and_tied_heads() -> None:
         assert a.dtype == b.dtype == torch.float32 and as16.dtype == torch.float32
         assert not torch.equal(a, b) and float((a - b).abs().max()) < 0.05 * float(a.abs().max())
         # tied table and a head kept for a token map: shared, in the kept dtype
-        kept32 = quantize_int8(model, keep_head=True, float_dtype=torch.float32)
+        kept32 = quantize_int8(model, keep_float=("down_proj", "lm_head"), float_dtype=torch.float32)
         assert kept32.lm_head.weight is kept32.get_input_embeddings().weight  # float32 for the float32 head
         assert kept32.lm_head.weight.dtype == torch.float32
-        kept16 = quantize_int8(model, keep_head=True, float_dtype=torch.bfloat16)
+        kept16 = quantize_int8(model, keep_float=("down_proj", "lm_head"), float_dtype=torch.bfloat16)
         table = kept16.get_input_embeddings().weight
         assert table.dtype == kept16.lm_head.weight.dtype == torch.bfloat16
         assert table.untyped_storage().data_ptr() == kept16.lm_head.weight.untyped_storage().data_ptr()

@@ -247,10 +247,9 @@ def _engine_run(
     schedule: str = "constant",
     tree: str | None = None,
     dtype: str | None = None,
-    k: int | None = None,
+    fixed_k: int | None = None,
 ) -> RunFn:
-    """Our engine's run function; ``k`` fixes the method's k (the sweep's k is then ignored)."""
-    fixed_k = k
+    """Our engine's run function; ``fixed_k`` fixes the method's k (the sweep's k is then ignored)."""
 
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
         generator = models.generator(proposer) if dtype is None else models.target_in(dtype)
@@ -420,7 +419,7 @@ def parse_method(text: str) -> Method:
     else:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
-    run = _engine_run(key, schedule, tree, k=fixed_k)
+    run = _engine_run(key, schedule, tree, fixed_k=fixed_k)
     return Method(label, run, uses_k=tree is None and fixed_k is None, needs_draft=needs_draft, fixed_k=fixed_k)
 
 

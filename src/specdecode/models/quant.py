@@ -114,7 +114,7 @@ class _CastLinear(torch.nn.Linear):
     each call's input to bfloat16 and the result back to float32 (one bfloat16 GEMM, where the CPU
     multiplies bfloat16 natively: :func:`~specdecode.models.cpu.native_bf16_matmul`). Weight and
     bias are buffers, as in :class:`_UpcastEmbedding`, so the copy's ``dtype`` stays float32; it is
-    an ``nn.Linear`` for code that reads a kept head's ``weight`` (``keep_head``).
+    an ``nn.Linear`` for code that reads a head's ``weight`` (a head left out of int8 by ``keep_float``).
 
     Takes float32 ``[..., in_features]``, returns float32 ``[..., out_features]``.
     """
@@ -157,7 +157,6 @@ def _exact_in_bfloat16(weight: torch.Tensor) -> bool:
 def quantize_int8(
     model: torch.nn.Module,
     keep_float: Sequence[str] = INT8_KEEP_FLOAT,
-    keep_head: bool = False,
     float_dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """A copy of ``model`` whose ``nn.Linear`` layers compute in dynamic int8 (see the module docstring).
@@ -166,7 +165,7 @@ def quantize_int8(
     modified. Layers are quantized one at a time from the source (no whole float32 copy of the
     model is made). What stays out of int8:
 
-    - the layers named by ``keep_float`` (and the head with ``keep_head``), in ``float_dtype``:
+    - the layers named by ``keep_float``, in ``float_dtype``:
       float32 layers keep (or get) the oneDNN few-row path of
       :func:`~specdecode.models.cpu.use_onednn_linears`; bfloat16 layers cast their input to
       bfloat16 and their output back to float32;
@@ -177,10 +176,9 @@ def quantize_int8(
 
     Args:
         model: a causal LM (or any module) on the CPU.
-        keep_float: name suffixes of linear layers to leave out of int8 (default ``("down_proj",)``).
-        keep_head: also leave the output head (``get_output_embeddings()``) out of int8, for callers
-            that read its float weight (an int8 draft's reduced head over a token map does not: it
-            takes rows of the int8 head, :func:`int8_rows`).
+        keep_float: name suffixes of linear layers to leave out of int8 (default ``("down_proj",)``;
+            add ``"lm_head"`` to keep a head whose float weight a caller reads; an int8 draft's
+            reduced head over a token map needs none: it takes rows of the int8 head, :func:`int8_rows`).
         float_dtype: ``torch.float32`` or ``torch.bfloat16`` for the layers left out of int8; None
             picks :func:`int8_float_dtype` (bfloat16 only for a bfloat16 model where the CPU
             multiplies bfloat16 natively).
@@ -198,13 +196,10 @@ def quantize_int8(
     if float_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"float_dtype must be torch.float32, torch.bfloat16 or None, got {float_dtype!r}")
     kept_dtype = float_dtype or int8_float_dtype(model)
-    head = model.get_output_embeddings() if keep_head and isinstance(model, PreTrainedModel) else None
     names = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and module is not head
-        and not any(name == s or name.endswith("." + s) for s in keep_float)
+        if isinstance(module, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in keep_float)
     ]
     if not names:
         raise ValueError("draft_quantization='int8': the draft has no linear layer left to quantize")
