@@ -312,6 +312,18 @@ def test_hf_assisted_with_another_draft_is_parsed_and_checked(models, tmp_path):
         parse_method(f"hf_assisted(draft={tmp_path / 'missing'})")
 
 
+def test_without_a_sweep_each_method_runs_at_its_proposers_default_k(models, questions):
+    """No ``-k``: plain column names, each proposer's default k used and recorded (prompt lookup 4,
+    EAGLE would be 2), and a fixed ``k=`` still wins."""
+    results = run(models, questions, ["target", "prompt_lookup", "prompt_lookup(k=2)"], ks=(None,))
+    assert results["methods"] == ["target", "prompt_lookup", "prompt_lookup(k=2)"]
+    ks = {r["method"]: r["settings"]["num_speculative_tokens"] for r in results["records"]}
+    assert ks == {"target": None, "prompt_lookup": 4, "prompt_lookup(k=2)": 2}
+    assert (
+        max(len(r["stats"]["drafted_per_position"]) for r in results["records"] if r["method"] == "prompt_lookup") == 4
+    )
+
+
 def test_a_method_can_fix_its_own_k(models, questions):
     """``prompt_lookup(k=2)`` drafts at most 2 tokens per step while the sweep's k is 5, in one
     column; a bad k or a k on a tree is refused before anything runs."""

@@ -88,6 +88,7 @@ def test_no_speculation_and_raw(model_dirs, capsys) -> None:
 def test_stop_string_from_the_cli(model_dirs, capsys) -> None:
     target, draft = model_dirs
     full = run_json(capsys, "class", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "30")
+    assert full["num_speculative_tokens"] == 4  # no -k: the draft model's default k
     text = full["text"]
     assert len(text) > 6
     stop = text[3:6]
@@ -118,3 +119,10 @@ def test_cli_errors_name_the_parameter(model_dirs, capsys, args: list[str], mess
 def test_cli_rejects_an_empty_prompt(capsys) -> None:
     assert main(["generate", ""]) == 2
     assert "prompt" in capsys.readouterr().err
+
+
+def test_the_cli_default_k_is_the_libraries() -> None:
+    from specdecode.cli import DEFAULT_K
+    from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    assert DEFAULT_K == DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -27,6 +27,7 @@ from specdecode.proposers import (
     MedusaProposer,
     make_proposer,
 )
+from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, default_num_speculative_tokens
 from specdecode.proposers.hybrid import with_prompt_lookup
 from specdecode.tree import children_lists, parse_tree
 
@@ -468,6 +469,9 @@ def test_save_load_round_trip_and_registry(cases, tmp_path, kind: str) -> None:
         load_drafter(folder, make_tiny_model(seed=1), kind)  # same config, other weights
     with pytest.raises(IncompatibleModelsError):
         make_proposer(kind, target=make_tiny_model(vocab_size=64), drafter=str(folder))
+    for options in ({}, {"prompt_lookup_min": 2}):  # the registry knows the default k without building
+        made = make_proposer(kind, target=target, drafter=str(folder), **options)
+        assert PROPOSERS[kind].default_k(**options) == default_num_speculative_tokens(made) == (4 if options else 2)
 
 
 def test_from_pretrained_with_a_drafter(tiny_target, tiny_tokenizer, tmp_path) -> None:
@@ -618,3 +622,33 @@ def test_proposer_weight_bytes_counts_an_int8_drafts_packed_weights(tiny_target)
         layer = floats[name]
         expected += layer.weight.numel() + (4 * layer.bias.numel() if layer.bias is not None else 0)
     assert proposer_weight_bytes(proposer, tiny_target) == expected
+
+
+# ------------------------------------------------------------------ the proposer's own default k
+def test_eagle_drafts_its_default_k_when_none_is_given(cases) -> None:
+    """No ``num_speculative_tokens``: EAGLE drafts 2 per step (its measured best), lookup first 4 (the
+    lookup's), an explicit k wins; the output is the target's every time."""
+    target, drafter, answers = cases["eagle", "fully"]
+    eagle = proposer(drafter)
+    hybrid = with_prompt_lookup(proposer(drafter), EagleConfig(prompt_lookup_min=2))
+    assert default_num_speculative_tokens(eagle) == EagleProposer.default_num_speculative_tokens == 2
+    assert MedusaProposer.default_num_speculative_tokens == 2
+    assert default_num_speculative_tokens(hybrid) == default_num_speculative_tokens(None) == 4
+    assert DEFAULT_NUM_SPECULATIVE_TOKENS == 4
+    for chosen, k, most in ((eagle, None, 2), (eagle, 5, 5), (hybrid, None, 4)):
+        spec = SpeculativeGenerator(target, proposer=chosen)
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k)
+            assert result.token_ids == answer
+            assert result.stats.num_speculative_tokens == most
+            assert len(result.stats.drafted_per_position) <= most
+        assert len(result.stats.drafted_per_position) == most  # full agreement: every step drafts k
+
+
+def test_a_bad_default_k_is_a_clear_error() -> None:
+    class Odd:
+        name = "odd"
+        default_num_speculative_tokens = 0
+
+    with pytest.raises(ValueError, match="'odd': default_num_speculative_tokens must be an integer in \\[1, 64\\]"):
+        default_num_speculative_tokens(Odd())

@@ -11,7 +11,7 @@ from typing import Any
 
 from specdecode.errors import SpecDecodeError
 
-DEFAULT_K = 4
+DEFAULT_K = 4  # = proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS (not imported here: --help must not load torch)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +46,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         "-k",
         "--num-speculative-tokens",
         type=int,
-        default=DEFAULT_K,
-        help=f"tokens drafted per step (default {DEFAULT_K}; the starting k of a varying schedule)",
+        default=None,
+        help=f"tokens drafted per step, the starting k of a varying schedule (default: the proposer's, "
+        f"{DEFAULT_K}; eagle and medusa 2, measured best)",
     )
     p.add_argument(
         "--schedule",
@@ -150,7 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.engine import SpeculativeGenerator, check_num_speculative_tokens
 
     sampling = sampling_from_args(args)  # validate cheap input before loading anything
-    check_num_speculative_tokens(args.num_speculative_tokens)
+    if args.num_speculative_tokens is not None:
+        check_num_speculative_tokens(args.num_speculative_tokens)
     if args.tree is not None:
         from specdecode.tree import parse_tree
 

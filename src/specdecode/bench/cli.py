@@ -40,7 +40,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
-    b.add_argument("-k", "--num-speculative-tokens", default="4", help="k, or a sweep such as 2,4,6,8 (default 4)")
+    b.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        default=None,
+        help="k, or a sweep such as 2,4,6,8 (default: each proposer's own k: 4; eagle and medusa 2)",
+    )
     b.add_argument("--prompts-per-category", type=int, default=None, help="default: all")
     b.add_argument("--repeats", type=int, default=1, help="runs of every prompt (seed + repeat when sampling)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed of the first repeat (default 0)")
@@ -130,7 +135,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeats < 1 or (opts["prompts_per_category"] is not None and opts["prompts_per_category"] < 1):
         raise ValueError("--repeats and --prompts-per-category must be >= 1")
     settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
-    ks = parse_ks(args.num_speculative_tokens)
+    sweep = args.num_speculative_tokens
+    ks: list[int | None] = [None] if sweep is None else list(parse_ks(sweep))  # None: each proposer's default
     names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target)
     variants = expand(names, ks)
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)

@@ -11,7 +11,9 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
   (``assistant_model=draft``, Hugging Face's own draft-length defaults) and ``hf_prompt_lookup``
   (``prompt_lookup_num_tokens=k``).
 
-Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``.
+Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``;
+without a sweep, one column each, named ``name``, at the proposer's default k
+(:func:`~specdecode.proposers.base.default_num_speculative_tokens`; recorded in each record).
 
 A method of a proposer with a draft model may name its own draft with the ``draft=`` option (a
 folder, a ``.gguf`` file or a packaged name): ``cross_tokenizer(draft=smollm2)`` drafts with
@@ -38,7 +40,7 @@ from transformers import PreTrainedModel
 from specdecode.engine import MAX_SPECULATIVE_TOKENS as MAX_K
 from specdecode.engine import SpeculativeGenerator
 from specdecode.proposers import PROPOSERS as LIBRARY_PROPOSERS
-from specdecode.proposers.base import Proposer
+from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, Proposer, default_num_speculative_tokens
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
 
@@ -184,12 +186,15 @@ class MethodOutput:
         stats: our engine's statistics, or None for a peer.
         proposer_bytes: bytes of the weights our engine's proposer holds beyond the target
             (:func:`specdecode.proposers.proposer_weight_bytes`), or None for a peer.
+        num_speculative_tokens: the k it ran with (the sweep's, the method's own, or with neither
+            the proposer's default), or None for a method without k.
     """
 
     token_ids: list[int]
     wall_time_s: float
     stats: SpecStats | None = None
     proposer_bytes: int | None = None
+    num_speculative_tokens: int | None = None
 
 
 RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None"], MethodOutput]
@@ -254,17 +259,20 @@ def _engine_run(
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
         generator = models.generator(proposer) if dtype is None else models.target_in(dtype)
         sampling = settings.sampling()
+        used_k = (fixed_k or k or default_num_speculative_tokens(generator.proposer)) if proposer else None
         tic = time.perf_counter()
         result = generator.generate(
             prompt_ids,
             sampling,
-            num_speculative_tokens=fixed_k or k or 1,
+            num_speculative_tokens=used_k,
             speculative=bool(proposer),
             schedule=schedule,
             tree=tree,
         )
         wall = time.perf_counter() - tic
-        return MethodOutput(result.token_ids, wall, result.stats, models.proposer_bytes(generator))
+        if tree is not None:
+            used_k = None  # a tree's depth plays k's part
+        return MethodOutput(result.token_ids, wall, result.stats, models.proposer_bytes(generator), used_k)
 
     return run
 
@@ -275,10 +283,12 @@ def register_proposer(name: str, factory: Callable[[BenchModels], Proposer], nee
     return register_method(Method(name, _engine_run(name), uses_k=True, needs_draft=needs_draft))
 
 
-def _hf_run(extra: Callable[[BenchModels, int | None], dict[str, Any]] | None = None) -> RunFn:
-    """A peer: ``target.generate`` with the keyword arguments ``extra(models, k)`` adds."""
+def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, uses_k: bool = False) -> RunFn:
+    """A peer: ``target.generate`` with the keyword arguments ``extra(models, k)`` adds (k: the
+    sweep's, else :data:`~specdecode.proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
 
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+        k = k or DEFAULT_NUM_SPECULATIVE_TOKENS
         kwargs = extra(models, k) if extra is not None else {}
         input_ids = torch.tensor([prompt_ids], dtype=torch.int64, device=models.target.device)  # (1, T)
         eos = models.eos_token_ids
@@ -291,7 +301,8 @@ def _hf_run(extra: Callable[[BenchModels, int | None], dict[str, Any]] | None = 
         with torch.inference_mode():
             out = models.target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         wall = time.perf_counter() - tic
-        return MethodOutput(out[0, input_ids.shape[1] :].tolist(), wall)  # new tokens only
+        new_ids = out[0, input_ids.shape[1] :].tolist()
+        return MethodOutput(new_ids, wall, num_speculative_tokens=k if uses_k else None)  # new tokens only
 
     return run
 
@@ -310,7 +321,9 @@ register_method(
     Method("hf_assisted", _hf_run(lambda m, k: {"assistant_model": m.require_draft()}), peer=True, needs_draft=True)
 )
 register_method(
-    Method("hf_prompt_lookup", _hf_run(lambda m, k: {"prompt_lookup_num_tokens": k}), uses_k=True, peer=True)
+    Method(
+        "hf_prompt_lookup", _hf_run(lambda m, k: {"prompt_lookup_num_tokens": k}, uses_k=True), uses_k=True, peer=True
+    )
 )
 
 
@@ -463,9 +476,9 @@ def _hf_assisted_with(text: str, options: str) -> Method:
     return Method(text, _hf_run(extra), peer=True)
 
 
-def expand(names: Sequence[str], ks: Sequence[int]) -> list[Variant]:
+def expand(names: Sequence[str], ks: Sequence[int | None]) -> list[Variant]:
     """Columns for the named methods (see :func:`parse_method`): one per k for methods that take
-    k, ``target`` first.
+    k, ``target`` first; ``ks = [None]``: one column each, at each proposer's default k.
 
     Raises:
         ValueError: an unknown method name, bad options, or an empty list.

@@ -83,7 +83,7 @@ def run_turns(
                 "turn": turn,
                 "repeat": repeat,
                 "method": variant.label,
-                "settings": {**asdict(settings), "num_speculative_tokens": variant.k or variant.method.fixed_k},
+                "settings": {**asdict(settings), "num_speculative_tokens": out.num_speculative_tokens},
                 "prompt_tokens": len(prompt_ids),
                 "new_tokens": len(out.token_ids),
                 "wall_time_s": out.wall_time_s,

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from specdecode.proposers.base import DraftTokens, Proposer, proposer_weight_bytes
+from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, DraftTokens, Proposer, proposer_weight_bytes
 from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossTokenizerProposer, tokenizer_of
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.eagle import EagleConfig, EagleProposer
@@ -38,8 +38,9 @@ class ProposerSpec:
         needs_draft: a draft model must be loaded for it.
         description: one line for ``--help`` and the docs.
         needs_target_features: the proposer reads the target's features (``needs_target_features``
-            of :mod:`.base`), which only :class:`~specdecode.engine.SpeculativeGenerator` passes
-            (the batched server refuses it).
+            of :mod:`.base`; the engine and the server pass them).
+        default_num_speculative_tokens: the k its proposers use when the caller gives none (the
+            built proposer's class attribute of the same name; :meth:`default_k` for given options).
     """
 
     name: str
@@ -48,6 +49,15 @@ class ProposerSpec:
     needs_draft: bool = False
     description: str = ""
     needs_target_features: bool = False
+    default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    def default_k(self, **options: Any) -> int:
+        """The k a proposer built with ``options`` drafts when the caller gives none, without
+        building it: :attr:`default_num_speculative_tokens`, or the lookup-first wrapper's (4) when
+        ``prompt_lookup_min`` puts prompt lookup first (:func:`.hybrid.with_prompt_lookup`)."""
+        if options.get("prompt_lookup_min"):
+            return LookupFirstProposer.default_num_speculative_tokens
+        return self.default_num_speculative_tokens
 
     def make_config(self, **options: Any) -> Any:
         """The validated options.
@@ -149,6 +159,7 @@ register(
         False,
         "trained Medusa heads on the target (--drafter)",
         needs_target_features=True,
+        default_num_speculative_tokens=MedusaProposer.default_num_speculative_tokens,
     )
 )
 register(
@@ -159,6 +170,7 @@ register(
         False,
         "a trained EAGLE head on the target (--drafter)",
         needs_target_features=True,
+        default_num_speculative_tokens=EagleProposer.default_num_speculative_tokens,
     )
 )
 

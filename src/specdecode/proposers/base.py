@@ -18,7 +18,12 @@ order: after the prefill all T prompt positions; after a chain pass the root (th
 token) and the n accepted drafts; after a tree pass the root and the accepted path. So when
 ``propose`` / ``propose_tree`` gets a context of T tokens, the proposer has received exactly the
 features of positions ``0 .. T - 2`` (rejected drafts never reach it: rollback is free). The
-batched server does not pass features and refuses such proposers.
+batched server passes them the same way, per sequence.
+
+A proposer may set the class attribute ``default_num_speculative_tokens`` (an int in [1, 64]): the k
+that :class:`~specdecode.engine.SpeculativeGenerator` (and so the CLI, the API and ``specdecode
+bench``) uses when the caller gives none; absent, :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`. It is a
+measured choice (the proposer's docstring says where), not a limit: any k in [1, 64] still works.
 """
 
 from __future__ import annotations
@@ -30,6 +35,24 @@ import torch
 
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+"""k when neither the caller nor the proposer names one."""
+
+
+def default_num_speculative_tokens(proposer: object | None) -> int:
+    """The k to draft with when the caller gives none: the proposer's
+    ``default_num_speculative_tokens`` class attribute, else :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`
+    (also for ``None``, decoding without a proposer).
+
+    Raises:
+        ValueError: the proposer's attribute is not an integer in [1, 64].
+    """
+    k = getattr(proposer, "default_num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+        name = getattr(proposer, "name", type(proposer).__name__)
+        raise ValueError(f"proposer {name!r}: default_num_speculative_tokens must be an integer in [1, 64], got {k!r}")
+    return k
 
 
 @dataclass(frozen=True)
@@ -83,6 +106,7 @@ class Proposer(Protocol):
     def observe(self, result: VerifyResult) -> None:
         """Feedback after verification: ``result.num_accepted`` of the draft were kept."""
 
+    # Optional: default_num_speculative_tokens: int = 4  (class attribute; the k used when the caller gives none)
     # Optional, for proposers that read the target's features (see the module docstring):
     #   needs_target_features: bool = True  (class attribute; absent or False: no features)
     #   def observe_features(self, hidden: torch.Tensor) -> None: ...  # [m, H], the kept positions in order

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, DraftTokens, Proposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
@@ -80,10 +80,14 @@ class LookupFirstProposer:
 
     Attributes:
         lookup_steps, model_steps: the steps of the current request drafted by lookup, by the model.
+        default_num_speculative_tokens: 4 whatever the model's own default (the lookup drafts long
+            copied runs; EAGLE behind lookup was measured at k = 4, docs/benchmarks.md).
 
     Raises:
         ValueError: bounds outside the above.
     """
+
+    default_num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
 
     def __init__(self, model: Proposer, min_ngram: int, max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX) -> None:
         PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)  # the bounds of prompt lookup's own options

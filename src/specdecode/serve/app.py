@@ -257,13 +257,14 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
         prefix = "chatcmpl-" if endpoint.endswith("chat/completions") else "cmpl-"
+        k = settings.k_for(proposer if speculative else None, body.num_speculative_tokens)
         req = ServeRequest(
             request_id=prefix + uuid.uuid4().hex,
             prompt_ids=prompt_ids,
             sampling=sampling,
             speculative=speculative,
             proposer=proposer if speculative else None,
-            num_speculative_tokens=body.num_speculative_tokens or settings.num_speculative_tokens,
+            num_speculative_tokens=k,
             speculation=body.speculation if speculative else None,
             on_event=lambda event: None,
             endpoint=endpoint,
@@ -278,7 +279,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
                 "stream": bool(body.stream),
                 "speculative_requested": body.speculative,
                 "proposer": proposer if speculative else None,
-                "num_speculative_tokens": body.num_speculative_tokens or settings.num_speculative_tokens,
+                "num_speculative_tokens": k,
                 "speculation_requested": body.speculation,
                 "ignore_eos": bool(body.ignore_eos),
             },

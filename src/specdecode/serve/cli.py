@@ -23,7 +23,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="OpenAI-compatible server with batched speculative decoding")
     add_model_args(s)
     add_proposer_args(s)
-    s.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, help="default k of requests")
+    s.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"default k of requests (default: the request's proposer's own, {DEFAULT_K}; eagle and medusa 2)",
+    )
     s.add_argument(
         "--speculation",
         choices=["on", "off", "adaptive"],

@@ -18,7 +18,8 @@ class ServeSettings:
         proposer: default proposer of requests (a name of ``specdecode.proposers.PROPOSERS``), or
             None: no speculation (every request decodes with the target alone).
         proposer_options: options of the default proposer (fields of its config dataclass).
-        num_speculative_tokens: default k of requests (a request may ask for 1 .. 64).
+        num_speculative_tokens: default k of requests (a request may ask for 1 .. 64); None: each
+            request's proposer's own default (:meth:`k_for`).
         speculation: ``"on"`` (every speculative request drafts its k every step), ``"off"``
             (nobody drafts) or ``"adaptive"`` (the cost model of :mod:`specdecode.serve.cost`
             decides per step and per sequence).
@@ -42,7 +43,7 @@ class ServeSettings:
     model_name: str = "specdecode"
     proposer: str | None = "draft_model"
     proposer_options: dict[str, Any] = field(default_factory=dict)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     speculation: str = "adaptive"
     max_batch_size: int = 8
     kv_budget_tokens: int = 65536
@@ -61,7 +62,8 @@ class ServeSettings:
 
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"--speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64):
             raise ValueError(
                 f"--num-speculative-tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}"
             )
@@ -73,3 +75,20 @@ class ServeSettings:
             raise ValueError("--served-model-name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+
+    def k_for(self, proposer: str | None, requested: int | None = None) -> int:
+        """The k of a request: ``requested`` (the request's ``num_speculative_tokens``), else the
+        server's ``--num-speculative-tokens``, else the default of ``proposer`` (with the server's
+        options when it is the server's own proposer; :meth:`ProposerSpec.default_k
+        <specdecode.proposers.ProposerSpec.default_k>`; 4 for None or an unknown name)."""
+        if requested is not None:
+            return requested
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        from specdecode.proposers import PROPOSERS
+        from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS
+
+        if proposer not in PROPOSERS:
+            return DEFAULT_NUM_SPECULATIVE_TOKENS
+        options = self.proposer_options if proposer == self.proposer else {}
+        return PROPOSERS[proposer].default_k(**options)

@@ -448,7 +448,7 @@ class Scheduler:
     def calibrate(self) -> CostModel:
         """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`.cost`)."""
         tic = time.perf_counter()
-        k = self.settings.num_speculative_tokens
+        k = self.settings.k_for(self.settings.proposer)
         tokens = sorted({1, 2, 3, k // 2 + 1, k + 1})
         cost = measure_target_costs(self.target, default_batch_grid(self.settings.max_batch_size), tokens)
         name = self.settings.proposer
