@@ -365,13 +365,16 @@ def small_target():
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-@pytest.mark.parametrize("tree", [None, "dynamic:6:3:2"])
-def test_sampled_tokens_follow_the_target(small_target, kind: str, tree) -> None:
+@pytest.mark.parametrize(("tree", "int8_head"), [(None, False), ("dynamic:6:3:2", False), (None, True)])
+def test_sampled_tokens_follow_the_target(small_target, kind: str, tree, int8_head: bool) -> None:
     """Temperature 0.8, top-k 9, top-p 0.95, a token map without tokens 8 and 10 (q is zero there):
     the first three tokens follow the exact target-only marginals (chi-square p > P_MIN, 1,200 seeded
-    samples); the second and third are accepted, recovered or bonus tokens depending on the step."""
+    samples); the second and third are accepted, recovered or bonus tokens depending on the step.
+    Also with the LM-head rows in int8 (q is then the int8 head's distribution)."""
     head_ids = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 9, 11])
     drafter = distill(make_drafter(kind, small_target, head_ids, seed=2), small_target, steps=10)
+    if int8_head:
+        drafter.quantize_head()
     prompt = [3, 1, 4]
     exact = exact_marginals(small_target, prompt, 3, SAMPLING)
     spec = SpeculativeGenerator(small_target, proposer=proposer(drafter))
@@ -453,8 +456,11 @@ def test_save_load_round_trip_and_registry(cases, tmp_path, kind: str) -> None:
     assert type(loaded) is type(drafter) and loaded.config == drafter.config
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    built = make_proposer(kind, target=target, drafter=str(folder), draft_confidence=0.0)
+    built = make_proposer(kind, target=target, drafter=str(folder), draft_confidence=0.0, head_quantization="none")
     assert isinstance(built, MedusaProposer if kind == "medusa" else EagleProposer)
+    assert built.quantization == "none" and make_proposer(kind, target=target, drafter=str(folder)).quantization == (
+        "int8-head"  # head_quantization="auto" on the CPU
+    )
     original = SpeculativeGenerator(target, proposer=proposer(drafter)).generate(
         PROMPTS[0], SamplingParams(max_new_tokens=NEW), num_speculative_tokens=3
     )
@@ -652,3 +658,65 @@ def test_a_bad_default_k_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="'odd': default_num_speculative_tokens must be an integer in \\[1, 64\\]"):
         default_num_speculative_tokens(Odd())
+
+
+# ------------------------------------------------------------------ the LM-head rows in int8
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("agreement", ["fully", "never", "partly"])
+@pytest.mark.parametrize("mode", [3, "dynamic:10:4:3"])
+def test_greedy_with_an_int8_head_equals_target_only(cases, kind: str, agreement: str, mode) -> None:
+    """``quantize_head()``: the drafts are scored by int8 rows, the output is still the target's (float32),
+    and the drafts are (nearly) the float head's: the oracle still agrees, the never-map never does."""
+    target, drafter, answers = cases[kind, agreement]
+    quantized = copy.deepcopy(drafter).quantize_head()
+    assert quantized.head_quantized and quantized._target.head_weight is None
+    spec = SpeculativeGenerator(target, proposer=proposer(quantized))
+    assert spec.proposer.quantization == "int8-head"
+    tree = mode if isinstance(mode, str) else None
+    k = mode if isinstance(mode, int) else None
+    stats = []
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k, tree=tree)
+        assert result.token_ids == answer
+        assert result.stats.draft_quantization == "int8-head"
+        stats.append(result.stats)
+    drafted = sum(s.draft_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    if agreement == "never":
+        assert accepted == 0 and drafted > 0
+    elif agreement == "fully" and tree is None:
+        assert accepted / drafted > 0.9
+    elif agreement == "partly" and tree is None:
+        assert 0.02 < accepted / drafted < 0.9, accepted / drafted
+
+
+def test_int8_head_rows_score_like_the_float_rows_in_less_memory(tiny_target) -> None:
+    """The int8 rows' logits are within int8 rounding of the float rows' (per-row scales), the float
+    copy is freed (proposer weights: drafter + 1 byte per row entry + scales), attach() restores it,
+    and the proposers' head_quantization option resolves and checks as documented."""
+    from specdecode.proposers import proposer_weight_bytes
+    from specdecode.proposers.features import resolve_head_quantization
+
+    head_ids = torch.arange(0, tiny_target.config.vocab_size, 2)
+    drafter = make_drafter("eagle", tiny_target, head_ids)
+    hidden = torch.randn(5, tiny_target.config.hidden_size)
+    before = drafter.logits(hidden)
+    full = proposer_weight_bytes(EagleProposer(drafter), tiny_target)
+    rows = drafter._target.head_weight.untyped_storage().nbytes()
+    drafter.quantize_head()
+    after = drafter.logits(hidden)
+    assert after.dtype == torch.float32 and after.shape == before.shape
+    assert (after - before).abs().max() < 0.02 * before.abs().max()
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean() >= 0.8
+    smaller = proposer_weight_bytes(EagleProposer(drafter), tiny_target)
+    assert full - rows < smaller < full - rows + rows // 4 + 16 * head_ids.numel()  # int8 rows + per-row scales
+    assert drafter.quantize_head() is drafter  # idempotent
+    drafter.attach(tiny_target)
+    assert not drafter.head_quantized and torch.equal(drafter.logits(hidden), before)
+    assert resolve_head_quantization("auto", tiny_target) == "int8"
+    assert resolve_head_quantization("none", tiny_target) == "none"
+    assert EagleConfig(head_quantization=None).head_quantization == "none"  # as bench options spell it
+    with pytest.raises(ValueError, match="head_quantization must be one of"):
+        EagleConfig(head_quantization="int4")
+    with pytest.raises(RuntimeError, match="not attached"):
+        build_drafter(drafter.config, head_ids).quantize_head()

@@ -47,7 +47,8 @@ MAX_SPECULATIVE_TOKENS = 64
 
 def draft_quantization(proposer: Proposer | None) -> str:
     """``"int8"`` when ``proposer`` (or the model proposer a prompt-lookup hybrid wraps) drafts with
-    an int8 draft (:attr:`DraftModelProposer.quantization`), else ``"none"``."""
+    an int8 draft (:attr:`DraftModelProposer.quantization`), ``"int8-head"`` for a Medusa / EAGLE
+    drafter with int8 LM-head rows, else ``"none"``."""
     inner = getattr(proposer, "model", None)  # LookupFirstProposer wraps its model proposer
     return str(getattr(proposer, "quantization", None) or getattr(inner, "quantization", None) or "none")
 

@@ -36,6 +36,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2Model
 
 from specdecode.errors import IncompatibleModelsError
+from specdecode.models.quant import int8_linear
 
 KINDS = ("medusa", "eagle")
 CONFIG_FILE = "drafter.json"
@@ -173,6 +174,7 @@ class _TargetParts:
     def __init__(self) -> None:
         self.head_weight: torch.Tensor | None = None  # (N, H), frozen copy
         self.head_bias: torch.Tensor | None = None  # (N,) or None
+        self.head_int8: nn.Module | None = None  # the rows as a dynamic int8 linear, instead (quantize_head)
         self.embed: nn.Module | None = None
 
 
@@ -192,7 +194,46 @@ class Drafter(nn.Module):
 
     @property
     def attached(self) -> bool:
-        return self._target.head_weight is not None
+        return self._target.head_weight is not None or self._target.head_int8 is not None
+
+    @property
+    def head_quantized(self) -> bool:
+        """The copied LM-head rows are a dynamic int8 linear (:meth:`quantize_head`)."""
+        return self._target.head_int8 is not None
+
+    def quantize_head(self) -> Drafter:
+        """Replace the copied LM-head rows (``[N, H]`` in the target's dtype) with a dynamic int8
+        linear of them (:func:`specdecode.models.quant.int8_linear`: int8 weights, one scale per
+        row, activations quantized per call; float32 in, float32 out) and free the float rows.
+
+        On the shipped EAGLE head for the default target (16,384 rows of 1,536): 50.3 MB -> 25 MB,
+        the head's matrix-vector product 2.3 ms -> 0.3 ms per call on the reference CPU, held-out
+        top-1 agreement per draft position unchanged to 0.001 (docs/benchmarks.md, "The drafters'
+        LM-head rows in int8"). Inference only: the int8 linear has no gradient, and
+        :meth:`attach` (re)copies float rows. Drafts stay exact under verification either way.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: not attached.
+            ValueError: the rows are not on the CPU (torch's dynamic int8 linear has no GPU kernel).
+        """
+        weight = self._target.head_weight
+        if weight is None:
+            if self._target.head_int8 is not None:
+                return self
+            raise RuntimeError("drafter is not attached to a target (call attach(target))")
+        if weight.device.type != "cpu":
+            raise ValueError(f"head_quantization='int8' needs the drafter on the CPU, it is on {weight.device}")
+        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=self._target.head_bias is not None)
+        with torch.no_grad():
+            rows.weight.copy_(weight.float())
+            if self._target.head_bias is not None:
+                rows.bias.copy_(self._target.head_bias.float())
+        self._target.head_int8 = int8_linear(rows)
+        self._target.head_weight = self._target.head_bias = None
+        return self
 
     def attach(self, target: PreTrainedModel, check: bool = True, dtype: torch.dtype | None = None) -> Drafter:
         """Borrow the target's LM head rows (copied) and input embeddings; move the drafter to the
@@ -207,6 +248,7 @@ class Drafter(nn.Module):
         ids = self.head_ids.to(head.weight.device)
         dtype = dtype or head.weight.dtype
         self._target.head_weight = head.weight.detach()[ids].to(dtype).contiguous()
+        self._target.head_int8 = None
         self._target.head_bias = None if head.bias is None else head.bias.detach()[ids].to(dtype).contiguous()
         self._target.embed = target.get_input_embeddings()
         self.to(device=head.weight.device, dtype=dtype)
@@ -219,6 +261,9 @@ class Drafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scores over the token map: ``[..., H] -> float32 [..., N]`` (column j is ``head_ids[j]``)."""
+        if self._target.head_int8 is not None:  # takes [M, H] (activations quantized per call)
+            flat = hidden.reshape(-1, hidden.shape[-1]).float()
+            return self._target.head_int8(flat).view(*hidden.shape[:-1], -1)
         if self._target.head_weight is None:
             raise RuntimeError("drafter is not attached to a target (call attach(target))")
         weight = self._target.head_weight

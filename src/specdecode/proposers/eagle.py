@@ -93,6 +93,12 @@ class EagleProposer:
         return self.drafter.config.vocab_size
 
     @property
+    def quantization(self) -> str:
+        """``"int8-head"`` when the drafter scores with int8 LM-head rows
+        (``head_quantization``), else ``"none"``; recorded as the ``draft_quantization`` statistic."""
+        return "int8-head" if self.drafter.head_quantized else "none"
+
+    @property
     def device(self) -> torch.device:
         return self.drafter.fc.weight.device
 

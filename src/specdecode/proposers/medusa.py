@@ -94,6 +94,12 @@ class MedusaProposer:
     def vocab_size(self) -> int:
         return self.drafter.config.vocab_size
 
+    @property
+    def quantization(self) -> str:
+        """``"int8-head"`` when the drafter scores with int8 LM-head rows
+        (``head_quantization``), else ``"none"``; recorded as the ``draft_quantization`` statistic."""
+        return "int8-head" if self.drafter.head_quantized else "none"
+
     def reset(self) -> None:
         self._last: torch.Tensor | None = None  # (H,): the feature of the newest known position
         self._known = 0  # features received: positions 0 .. _known - 1
