@@ -720,3 +720,25 @@ def test_int8_head_rows_score_like_the_float_rows_in_less_memory(tiny_target) ->
         EagleConfig(head_quantization="int4")
     with pytest.raises(RuntimeError, match="not attached"):
         build_drafter(drafter.config, head_ids).quantize_head()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_behind_lookup_the_drafter_drafts_its_own_k(cases, kind: str) -> None:
+    """k = 6 bounds lookup's drafts; the drafter, asked when lookup finds nothing, drafts at most its
+    own k (``prompt_lookup_model_k``, default its default k, 2); the output is the target's."""
+    target, drafter, answers = cases[kind, "fully"]
+    config_cls = EagleConfig if kind == "eagle" else MedusaConfig
+    assert with_prompt_lookup(proposer(drafter), config_cls(prompt_lookup_min=2)).model_k == 2
+    assert with_prompt_lookup(proposer(drafter), config_cls(prompt_lookup_min=2, prompt_lookup_model_k=5)).model_k == 5
+    with pytest.raises(ValueError, match="prompt_lookup_model_k must be None or an integer in \\[1, 64\\]"):
+        config_cls(prompt_lookup_min=2, prompt_lookup_model_k=0)
+    recorder = Recorder(proposer(drafter))
+    hybrid = with_prompt_lookup(recorder, config_cls(prompt_lookup_min=2, prompt_lookup_model_k=2))
+    spec = SpeculativeGenerator(target, proposer=hybrid)
+    longest = 0
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=6)
+        assert result.token_ids == answer
+        longest = max(longest, len(result.stats.drafted_per_position))
+    assert recorder.calls and max(len(draft) for _, draft in recorder.calls) == 2  # the drafter: its own k
+    assert longest > 2  # lookup drafted longer runs in the same requests

@@ -16,7 +16,12 @@ from specdecode.models.quant import (
 )
 from specdecode.models.runner import ModelRunner, share_plain_check
 from specdecode.proposers.base import DraftTokens
-from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
+from specdecode.proposers.hybrid import (
+    check_prompt_lookup,
+    prompt_lookup_max_field,
+    prompt_lookup_min_field,
+    prompt_lookup_model_k_field,
+)
 from specdecode.proposers.token_map import load_token_map
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
@@ -51,12 +56,15 @@ class DraftModelConfig:
         prompt_lookup_min, prompt_lookup_max: when >= 1, draft by prompt lookup whenever the context's
             last n tokens (n from max down to min) occurred earlier, and by the model otherwise
             (:mod:`specdecode.proposers.hybrid`); 0 (default) always drafts with the model.
+        prompt_lookup_model_k: with prompt lookup first, the most tokens the model drafts in a step
+            lookup missed (None: the model's default k, 4 here); k bounds lookup's drafts.
 
     Raises:
         ValueError: ``draft_confidence`` outside [0, 1); ``token_map`` not None, ``"default"`` or a
             readable map file; ``draft_vocab_size`` not an integer in [1, len(map)], or given
             without ``token_map``; ``draft_quantization`` not ``"auto"``, ``"none"``, ``"int8"`` or None;
-            ``prompt_lookup_min`` < 0 or ``prompt_lookup_max`` < max(1, min).
+            ``prompt_lookup_min`` < 0, ``prompt_lookup_max`` < max(1, min), or ``prompt_lookup_model_k``
+            not None or an integer in [1, 64].
     """
 
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
@@ -73,6 +81,7 @@ class DraftModelConfig:
     )
     prompt_lookup_min: int = prompt_lookup_min_field()
     prompt_lookup_max: int = prompt_lookup_max_field()
+    prompt_lookup_model_k: int | None = prompt_lookup_model_k_field()
 
     def __post_init__(self) -> None:
         check_prompt_lookup(self)

@@ -22,7 +22,12 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters import find_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
-from specdecode.proposers.hybrid import check_prompt_lookup, prompt_lookup_max_field, prompt_lookup_min_field
+from specdecode.proposers.hybrid import (
+    check_prompt_lookup,
+    prompt_lookup_max_field,
+    prompt_lookup_min_field,
+    prompt_lookup_model_k_field,
+)
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 
 # Per target: (kind, folder, head quantization) -> (the files' modification times, the drafter loaded from them).
@@ -57,6 +62,8 @@ class TrainedDrafterConfig:
             :class:`~specdecode.proposers.draft_model.DraftModelConfig`).
         prompt_lookup_min, prompt_lookup_max: prompt lookup first, the drafter otherwise
             (:mod:`specdecode.proposers.hybrid`; 0 = off), as in ``DraftModelConfig``.
+        prompt_lookup_model_k: with prompt lookup first, the most tokens the drafter drafts in a
+            step lookup missed (None: its default k, 2); k bounds lookup's drafts.
         head_quantization: ``"int8"`` scores the drafts with a dynamic int8 copy of the target's
             LM-head rows the drafter borrows (:meth:`~specdecode.drafters.heads.Drafter.quantize_head`:
             half the memory of bfloat16 rows, a quarter of float32, and 8x faster on the reference
@@ -66,8 +73,8 @@ class TrainedDrafterConfig:
 
     Raises:
         ValueError: ``draft_confidence`` outside [0, 1), ``drafter`` not a path, bad
-            ``prompt_lookup_min`` / ``prompt_lookup_max``, or ``head_quantization`` not one of
-            ``"auto"``, ``"none"``, ``"int8"``.
+            ``prompt_lookup_min`` / ``prompt_lookup_max`` / ``prompt_lookup_model_k``, or
+            ``head_quantization`` not one of ``"auto"``, ``"none"``, ``"int8"``.
         FileNotFoundError: ``drafter`` names a folder without a saved drafter (checked here, before
             any model loads).
     """
@@ -84,6 +91,7 @@ class TrainedDrafterConfig:
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})
     prompt_lookup_min: int = prompt_lookup_min_field()
     prompt_lookup_max: int = prompt_lookup_max_field()
+    prompt_lookup_model_k: int | None = prompt_lookup_model_k_field()
     head_quantization: str | None = field(
         default="auto",
         metadata={"help": "auto (default: int8 on the CPU), none, or int8: the copied LM-head rows in dynamic int8"},

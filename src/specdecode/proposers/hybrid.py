@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, DraftTokens, Proposer
+from specdecode.proposers.base import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DraftTokens,
+    Proposer,
+    default_num_speculative_tokens,
+)
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
@@ -52,6 +57,17 @@ def prompt_lookup_max_field() -> Any:
     )
 
 
+def prompt_lookup_model_k_field() -> Any:
+    """The ``prompt_lookup_model_k`` field: the most tokens the model drafts in a step lookup missed."""
+    return field(
+        default=None,
+        metadata={
+            "help": "with --prompt-lookup-min: the most tokens the model drafts when lookup finds nothing "
+            "(default: the model proposer's own default k; -k then bounds lookup's drafts)"
+        },
+    )
+
+
 def check_prompt_lookup(config: Any) -> None:
     """Validate ``config.prompt_lookup_min`` (an integer >= 0) and ``config.prompt_lookup_max`` (an
     integer >= max(1, prompt_lookup_min)); a string of an integer (from a command line) is accepted.
@@ -59,8 +75,8 @@ def check_prompt_lookup(config: Any) -> None:
     Raises:
         ValueError: either outside those bounds (the message names it).
     """
-    for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        value = getattr(config, name)
+    for name in ("prompt_lookup_min", "prompt_lookup_max", "prompt_lookup_model_k"):
+        value = getattr(config, name, None)
         if isinstance(value, str) and value.strip().isdigit():
             object.__setattr__(config, name, int(value))
     low, high = config.prompt_lookup_min, config.prompt_lookup_max
@@ -68,6 +84,9 @@ def check_prompt_lookup(config: Any) -> None:
         raise ValueError(f"prompt_lookup_min must be an integer >= 0 (0 = off), got {low!r}")
     if not isinstance(high, int) or isinstance(high, bool) or high < max(1, low):
         raise ValueError(f"prompt_lookup_max must be an integer >= max(1, prompt_lookup_min = {low}), got {high!r}")
+    model_k = getattr(config, "prompt_lookup_model_k", None)
+    if model_k is not None and (not isinstance(model_k, int) or isinstance(model_k, bool) or not 1 <= model_k <= 64):
+        raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {model_k!r}")
 
 
 class LookupFirstProposer:
@@ -77,6 +96,11 @@ class LookupFirstProposer:
         model: the model proposer (any :class:`~specdecode.proposers.base.Proposer`).
         min_ngram: the shortest suffix of the context whose earlier occurrence is trusted (>= 1).
         max_ngram: the longest one, looked up first (>= min_ngram).
+
+        model_k: the most tokens the model drafts in a step where lookup found nothing (k, the
+            engine's ``num_tokens``, bounds both); None: the model's own default k
+            (:func:`~specdecode.proposers.base.default_num_speculative_tokens`: 2 for EAGLE and
+            Medusa, whose later positions are rarely accepted, 4 for a draft model).
 
     Attributes:
         lookup_steps, model_steps: the steps of the current request drafted by lookup, by the model.
@@ -89,9 +113,14 @@ class LookupFirstProposer:
 
     default_num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
 
-    def __init__(self, model: Proposer, min_ngram: int, max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX) -> None:
+    def __init__(
+        self, model: Proposer, min_ngram: int, max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX, model_k: int | None = None
+    ) -> None:
         PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)  # the bounds of prompt lookup's own options
         self.model = model
+        self.model_k = default_num_speculative_tokens(model) if model_k is None else model_k
+        if isinstance(self.model_k, bool) or not isinstance(self.model_k, int) or not 1 <= self.model_k <= 64:
+            raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {model_k!r}")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.name = f"{model.name}+lookup"
@@ -117,14 +146,14 @@ class LookupFirstProposer:
     ) -> DraftTokens:
         """The continuation of the longest matching n-gram (up to ``num_tokens`` tokens, ``probs=None``)
         when the context's last ``min_ngram`` .. ``max_ngram`` tokens occurred earlier; else the model's
-        draft. See :meth:`~specdecode.proposers.base.Proposer.propose`."""
+        draft of up to ``min(num_tokens, model_k)`` tokens. See :meth:`~specdecode.proposers.base.Proposer.propose`."""
         ids = find_continuation(context, num_tokens, self.max_ngram, self.min_ngram)  # (m,)
         self._model_drafted = not ids.numel()
         if ids.numel():
             self.lookup_steps += 1
             return DraftTokens(ids)
         self.model_steps += 1
-        return self.model.propose(context, num_tokens, sampling, generator)
+        return self.model.propose(context, min(num_tokens, self.model_k), sampling, generator)
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         """Passed on to the model proposer at every step (see :mod:`.base`)."""
@@ -164,4 +193,6 @@ def with_prompt_lookup(model: Proposer, config: Any) -> Proposer:
     if not config.prompt_lookup_min:
         return model
     kind = LookupFirstTreeProposer if hasattr(model, "propose_tree") else LookupFirstProposer
-    return kind(model, config.prompt_lookup_min, config.prompt_lookup_max)
+    return kind(
+        model, config.prompt_lookup_min, config.prompt_lookup_max, getattr(config, "prompt_lookup_model_k", None)
+    )
