@@ -477,7 +477,7 @@ def test_save_load_round_trip_and_registry(cases, tmp_path, kind: str) -> None:
         make_proposer(kind, target=make_tiny_model(vocab_size=64), drafter=str(folder))
     for options in ({}, {"prompt_lookup_min": 2}):  # the registry knows the default k without building
         made = make_proposer(kind, target=target, drafter=str(folder), **options)
-        assert PROPOSERS[kind].default_k(**options) == default_num_speculative_tokens(made) == (4 if options else 2)
+        assert PROPOSERS[kind].default_k(**options) == default_num_speculative_tokens(made) == (8 if options else 2)
 
 
 def test_from_pretrained_with_a_drafter(tiny_target, tiny_tokenizer, tmp_path) -> None:
@@ -632,16 +632,16 @@ def test_proposer_weight_bytes_counts_an_int8_drafts_packed_weights(tiny_target)
 
 # ------------------------------------------------------------------ the proposer's own default k
 def test_eagle_drafts_its_default_k_when_none_is_given(cases) -> None:
-    """No ``num_speculative_tokens``: EAGLE drafts 2 per step (its measured best), lookup first 4 (the
-    lookup's), an explicit k wins; the output is the target's every time."""
+    """No ``num_speculative_tokens``: EAGLE drafts 2 per step (its measured best), lookup first 8 (the
+    lookup's; the head still drafts at most 2), an explicit k wins; the output is the target's every time."""
     target, drafter, answers = cases["eagle", "fully"]
     eagle = proposer(drafter)
     hybrid = with_prompt_lookup(proposer(drafter), EagleConfig(prompt_lookup_min=2))
     assert default_num_speculative_tokens(eagle) == EagleProposer.default_num_speculative_tokens == 2
     assert MedusaProposer.default_num_speculative_tokens == 2
-    assert default_num_speculative_tokens(hybrid) == default_num_speculative_tokens(None) == 4
+    assert default_num_speculative_tokens(hybrid) == 8 and default_num_speculative_tokens(None) == 4
     assert DEFAULT_NUM_SPECULATIVE_TOKENS == 4
-    for chosen, k, most in ((eagle, None, 2), (eagle, 5, 5), (hybrid, None, 4)):
+    for chosen, k, most in ((eagle, None, 2), (eagle, 5, 5), (hybrid, None, 8)):
         spec = SpeculativeGenerator(target, proposer=chosen)
         for prompt, answer in zip(PROMPTS, answers, strict=True):
             result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k)

@@ -465,12 +465,12 @@ def test_serve_cli_checks_flags_before_loading_models(capsys) -> None:
 
 def test_the_k_of_a_request() -> None:
     """The request's k, else the server's -k, else the proposer's own default (with the server's
-    options for its own proposer: prompt lookup first drafts 4)."""
+    options for its own proposer: prompt lookup first drafts 8)."""
     plain = ServeSettings(model_name="tiny")
     assert plain.k_for("draft_model") == plain.k_for("prompt_lookup") == plain.k_for(None) == 4
     assert plain.k_for("eagle") == plain.k_for("medusa") == 2 and plain.k_for("eagle", 5) == 5
     assert ServeSettings(model_name="tiny", num_speculative_tokens=3).k_for("eagle") == 3
     hybrid = ServeSettings(model_name="tiny", proposer="eagle", proposer_options={"prompt_lookup_min": 2})
-    assert hybrid.k_for("eagle") == 4 and hybrid.k_for("medusa") == 2
+    assert hybrid.k_for("eagle") == 8 and hybrid.k_for("medusa") == 2
     with pytest.raises(ValueError, match="--num-speculative-tokens must be an integer in"):
         ServeSettings(model_name="tiny", num_speculative_tokens=0)

@@ -28,7 +28,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help=f"default k of requests (default: the request's proposer's own, {DEFAULT_K}; eagle and medusa 2)",
+        help=f"default k of requests (default: the request's proposer's own, {DEFAULT_K}; eagle and medusa 2; "
+        "8 behind prompt lookup)",
     )
     s.add_argument(
         "--speculation",
