@@ -53,7 +53,7 @@ class ProposerSpec:
 
     def default_k(self, **options: Any) -> int:
         """The k a proposer built with ``options`` drafts when the caller gives none, without
-        building it: :attr:`default_num_speculative_tokens`, or the lookup-first wrapper's (4) when
+        building it: :attr:`default_num_speculative_tokens`, or the lookup-first wrapper's (8) when
         ``prompt_lookup_min`` puts prompt lookup first (:func:`.hybrid.with_prompt_lookup`)."""
         if options.get("prompt_lookup_min"):
             return LookupFirstProposer.default_num_speculative_tokens

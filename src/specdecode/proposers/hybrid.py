@@ -24,20 +24,15 @@ from typing import Any
 
 import torch
 
-from specdecode.proposers.base import (
-    DraftTokens,
-    Proposer,
-    default_num_speculative_tokens,
-)
+from specdecode.proposers.base import DraftTokens, Proposer, default_num_speculative_tokens
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
 from specdecode.verify import VerifyResult
 
 DEFAULT_PROMPT_LOOKUP_MAX = 8
-LOOKUP_FIRST_DEFAULT_K = (
-    8  # k of a lookup-first proposer when the caller gives none (measured; see LookupFirstProposer)
-)
+# k of a lookup-first proposer when the caller gives none (measured; see LookupFirstProposer)
+LOOKUP_FIRST_DEFAULT_K = 8
 
 
 def prompt_lookup_min_field() -> Any:
