@@ -226,11 +226,11 @@ class Drafter(nn.Module):
             raise RuntimeError("drafter is not attached to a target (call attach(target))")
         if weight.device.type != "cpu":
             raise ValueError(f"head_quantization='int8' needs the drafter on the CPU, it is on {weight.device}")
-        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=self._target.head_bias is not None)
-        with torch.no_grad():
-            rows.weight.copy_(weight.float())
-            if self._target.head_bias is not None:
-                rows.bias.copy_(self._target.head_bias.float())
+        bias = self._target.head_bias
+        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")  # no allocation
+        rows.weight = nn.Parameter(weight, requires_grad=False)  # int8_linear copies it to float32
+        if bias is not None:
+            rows.bias = nn.Parameter(bias, requires_grad=False)
         self._target.head_int8 = int8_linear(rows)
         self._target.head_weight = self._target.head_bias = None
         return self

@@ -54,8 +54,12 @@ class ProposerSpec:
     def default_k(self, **options: Any) -> int:
         """The k a proposer built with ``options`` drafts when the caller gives none, without
         building it: :attr:`default_num_speculative_tokens`, or the lookup-first wrapper's (8) when
-        ``prompt_lookup_min`` puts prompt lookup first (:func:`.hybrid.with_prompt_lookup`)."""
-        if options.get("prompt_lookup_min"):
+        ``prompt_lookup_min`` puts prompt lookup first (:func:`.hybrid.with_prompt_lookup`).
+
+        Raises:
+            ValueError: bad options (as :meth:`make_config`).
+        """
+        if getattr(self.make_config(**options), "prompt_lookup_min", 0):  # the validated value, as built
             return LookupFirstProposer.default_num_speculative_tokens
         return self.default_num_speculative_tokens
 

@@ -81,9 +81,18 @@ def check_prompt_lookup(config: Any) -> None:
         raise ValueError(f"prompt_lookup_min must be an integer >= 0 (0 = off), got {low!r}")
     if not isinstance(high, int) or isinstance(high, bool) or high < max(1, low):
         raise ValueError(f"prompt_lookup_max must be an integer >= max(1, prompt_lookup_min = {low}), got {high!r}")
-    model_k = getattr(config, "prompt_lookup_model_k", None)
-    if model_k is not None and (not isinstance(model_k, int) or isinstance(model_k, bool) or not 1 <= model_k <= 64):
-        raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {model_k!r}")
+    check_model_k(getattr(config, "prompt_lookup_model_k", None))
+
+
+def check_model_k(value: int | None) -> int | None:
+    """``value`` if it is None or an integer in [1, 64] (``prompt_lookup_model_k``).
+
+    Raises:
+        ValueError: anything else (the message names ``prompt_lookup_model_k``).
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64):
+        raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {value!r}")
+    return value
 
 
 class LookupFirstProposer:
@@ -120,9 +129,7 @@ class LookupFirstProposer:
     ) -> None:
         PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)  # the bounds of prompt lookup's own options
         self.model = model
-        self.model_k = default_num_speculative_tokens(model) if model_k is None else model_k
-        if isinstance(self.model_k, bool) or not isinstance(self.model_k, int) or not 1 <= self.model_k <= 64:
-            raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {model_k!r}")
+        self.model_k = check_model_k(model_k) or default_num_speculative_tokens(model)
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.name = f"{model.name}+lookup"
