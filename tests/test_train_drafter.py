@@ -185,6 +185,66 @@ def test_bad_options_are_named():
         TrainConfig(distill="kl")
     with pytest.raises(ValueError, match="cls_weight"):
         TrainConfig(cls_weight=-0.1)
+    with pytest.raises(ValueError, match="ttt_steps"):
+        TrainConfig(ttt_steps=0)
+
+
+def _eagle(target, seed=0):
+    torch.manual_seed(seed)
+    config = DrafterConfig.for_target("eagle", target, 64, intermediate_size=64)
+    return build_drafter(config, torch.arange(64)).attach(target, dtype=torch.float32)
+
+
+def test_unrolled_eagle_loss_drafts_as_the_head_drafts(target, features):
+    """With ttt_steps D, step j of the loss is the head's own autoregressive draft j (what
+    ``validate`` measures, the way drafting runs): the same top-1 hits at every step, to the count."""
+    data = load_features(features)
+    drafter = _eagle(target)
+    labels = _labels(data, drafter)
+    tokens, feats = data["tokens"][:8], data["features"][:8].float()
+    with torch.no_grad():
+        _, correct, counted = eagle_loss(drafter, tokens, feats, labels[:8], 0.0, 0.1, ttt_steps=3)
+    assert correct.shape == counted.shape == (3,) and int(counted.min()) > 0
+    expected = validate(drafter, tokens, feats, labels[:8], depth=3)
+    assert (correct.double() / counted.double()).tolist() == pytest.approx(expected, abs=1e-12)
+    assert int(correct.sum()) > 0  # a head that hits something: the equality is not 0 == 0
+
+
+def test_one_step_eagle_loss_is_teacher_forcing(target, features):
+    """ttt_steps 1 (the default) is EAGLE-1's loss: every position from the true feature, no cache."""
+    data = load_features(features)
+    drafter = _eagle(target)
+    labels = _labels(data, drafter)
+    tokens, feats = data["tokens"][:4], data["features"][:4].float()
+    with torch.no_grad():
+        loss = eagle_loss(drafter, tokens, feats, labels[:4], 0.0, 0.5)[0]
+        L = tokens.shape[1]
+        predicted = drafter(feats[:, :-1], tokens[:, 1:], torch.arange(1, L).expand(4, L - 1))
+        logits = drafter.logits(predicted)
+        expected = torch.nn.functional.smooth_l1_loss(
+            predicted, feats[:, 1:]
+        ) + 0.5 * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:4, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, expected)
+    with pytest.raises(ValueError, match="ttt_steps"):
+        eagle_loss(drafter, tokens, feats, labels[:4], 0.0, 0.5, ttt_steps=L)
+
+
+def test_unrolled_loss_trains_later_draft_positions_through_earlier_steps(target, features, tmp_path):
+    """The loss of step 2 reaches the weights through step 1's predicted feature (not detached), and
+    a run with ttt_steps records it and reports training hits for every unrolled step."""
+    data = load_features(features)
+    drafter = _eagle(target)
+    labels = _labels(data, drafter)
+    tokens, feats = data["tokens"][:4], data["features"][:4].float()
+    first = drafter.fc.weight
+    one = torch.autograd.grad(eagle_loss(drafter, tokens, feats, labels[:4], 0.0, 0.1, ttt_steps=1)[0], first)[0]
+    two = torch.autograd.grad(eagle_loss(drafter, tokens, feats, labels[:4], 0.0, 0.1, ttt_steps=2)[0], first)[0]
+    assert not torch.allclose(one, two)
+    config = TrainConfig(kind="eagle", draft_vocab_size=64, intermediate_size=64, max_steps=4, val_every=4,
+                         save_every=4, loss_positions=8, ttt_steps=3)  # fmt: skip
+    report = train_drafter(target, features, tmp_path, config, progress=False)
+    assert report["config"]["ttt_steps"] == 3 and report["steps"] == 4
+    assert load_drafter(tmp_path, target, "eagle").config.training["config"]["ttt_steps"] == 3
 
 
 def test_expected_accepted_is_the_sum_of_running_products():

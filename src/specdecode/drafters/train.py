@@ -21,7 +21,9 @@
      prediction of token ``p + 1 + i``), weighted ``0.8 ** (i - 1)`` (Medusa's decay).
    - EAGLE at position p: input (``x_{p+1}``, ``f_p`` + uniform noise in ±``noise``, EAGLE-1's
      augmentation), output ``f^_{p+1}``; loss = SmoothL1(``f^_{p+1}``, ``f_{p+1}``) (feature
-     regression) + ``cls_weight`` x cross-entropy of its scores against ``y_{p+1}``.
+     regression) + ``cls_weight`` x cross-entropy of its scores against ``y_{p+1}``. With
+     ``ttt_steps`` D > 1 the head is also unrolled D - 1 more steps on its own predicted features, as
+     it drafts, and scored at each (EAGLE-3's training-time test; :func:`eagle_loss`).
 
    A progress bar (tqdm), a step and a time budget, validation of top-1 agreement with the target
    on held-out sequences every ``val_every`` steps, a checkpoint (drafter, optimiser, step, data
@@ -319,6 +321,9 @@ class TrainConfig:
             KL distillation as in EAGLE's and Medusa-2's self-distillation; more signal per token).
         loss_positions: positions per sequence where the LM-head losses are computed each step
             (random; None: all). The LM-head rows dominate a step's cost on a CPU.
+        ttt_steps: EAGLE: draft steps unrolled per training step on the head's own predicted
+            features (EAGLE-3's training-time test, see :func:`eagle_loss`); 1 = teacher forcing
+            only (EAGLE-1). Each step costs about one more forward and LM-head product.
         seed: data order and initialisation.
         save_dtype: ``"bfloat16"`` (default, half the file) or ``"float32"``: the dtype of the saved
             drafter's weights (training and ``checkpoint.pt`` stay float32; loading casts to the
@@ -340,13 +345,15 @@ class TrainConfig:
     cls_weight: float = 0.1
     distill: str = "top1"
     loss_positions: int | None = 128
+    ttt_steps: int = 1
     seed: int = 0
     save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}")
-        for name in ("draft_vocab_size", "num_heads", "batch_size", "max_steps", "val_every", "save_every"):
+        integers = ("draft_vocab_size", "num_heads", "batch_size", "max_steps", "val_every", "save_every", "ttt_steps")
+        for name in integers:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -445,6 +452,25 @@ def medusa_loss(
     return total, correct, counted
 
 
+def rollout_mask(span: int, step: int, batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """The additive attention mask of rollout step ``step`` (1-based) over ``span`` rollouts at once.
+
+    Rollout p (started from the true feature ``f_p``) sees the true pairs q <= p, which the head's cache
+    holds from step 1, and its own earlier steps only (one diagonal block per earlier step), as it does
+    when drafting. Step 1 needs no mask (causal over the true pairs): returns None.
+
+    Returns:
+        ``{"full_attention": [batch, 1, span, span * step]}`` of ``dtype`` (0 allowed, dtype min masked).
+    """
+    if step == 1:
+        return None
+    lower = torch.ones(span, span, dtype=torch.bool).tril()
+    eye = torch.eye(span, dtype=torch.bool)
+    allowed = torch.cat([lower] + [eye] * (step - 1), dim=1)  # (span, span * step)
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return {"full_attention": additive.view(1, 1, *allowed.shape).expand(batch, 1, *allowed.shape)}
+
+
 def eagle_loss(
     drafter: EagleHead,
     tokens: torch.Tensor,
@@ -455,38 +481,65 @@ def eagle_loss(
     loss_positions: int | None = None,
     generator: torch.Generator | None = None,
     distill: str = "top1",
+    ttt_steps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EAGLE loss on a batch (teacher forcing; see the module docstring).
+    """EAGLE loss on a batch (see the module docstring).
+
+    Step 1 is teacher forcing: input ``f_p`` (+ noise) and ``x_{p+1}``, output ``f^_{p+1}``. With
+    ``ttt_steps`` D > 1, the head is also unrolled as it drafts (EAGLE-3's "training-time test", Li et
+    al. 2025, arXiv 2503.01840; HASS, Zhang et al. 2024, arXiv 2408.15766): step j takes its own
+    ``f^_{p+j-1}`` of step j - 1 (gradients flow through it) with ``x_{p+j}``, attends to the true
+    pairs up to p and to its own earlier steps (:func:`rollout_mask`), and is scored against
+    ``f_{p+j}`` and ``y_{p+j}``; the loss of step j is weighted ``0.8 ** (j - 1)`` (Medusa's decay),
+    so the first position, which matters most for acceptance, keeps the largest weight. D = 1 is
+    EAGLE-1's teacher forcing; rollouts start at p = 0 .. L - 1 - D.
 
     Args:
         tokens: int64 ``[B, L]``; features: ``[B, L, H]``; labels: int64 ``[B, L]`` map columns of ``y_p``.
-        noise, cls_weight: see :class:`TrainConfig`.
-        loss_positions: positions per sequence the classification loss is computed at (random; None:
-            all); the regression loss uses every position.
+        noise, cls_weight: see :class:`TrainConfig` (noise on step 1's true features only).
+        loss_positions: positions per sequence the classification loss is computed at, per step
+            (random; None: all); the regression loss uses every position.
         generator: for the sample.
         distill: ``"top1"`` or ``"soft"`` (see :class:`TrainConfig`).
+        ttt_steps: D >= 1, the draft steps unrolled (1 <= D < L).
 
     Returns:
-        ``(loss, correct [1], counted [1])``.
+        ``(loss, correct [D], counted [D])``: top-1 hits and labels counted per step.
+
+    Raises:
+        ValueError: ``ttt_steps`` outside ``[1, L)``.
     """
     B, L = tokens.shape
-    inputs = features[:, :-1].float()
+    if not isinstance(ttt_steps, int) or not 1 <= ttt_steps < L:
+        raise ValueError(f"ttt_steps must be an integer in [1, {L}) for sequences of {L} tokens, got {ttt_steps!r}")
+    span = L - ttt_steps  # rollouts start at p = 0 .. span - 1
+    current = features[:, :span].float()
     if noise > 0:
-        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-    positions = torch.arange(1, L).expand(B, L - 1)
-    predicted = drafter(inputs, tokens[:, 1:], positions)  # (B, L - 1, H): f^_{p+1}
-    regression = F.smooth_l1_loss(predicted.float(), features[:, 1:].float())
-    picked = _sample_positions(B, L - 1, loss_positions, generator)  # (B, m)
+        current = current + (torch.rand_like(current) * 2 - 1) * noise
+    cache = drafter.new_cache() if ttt_steps > 1 else None
+    dtype = drafter.fc.weight.dtype
     rows = torch.arange(B).view(B, 1)
-    logits = drafter.logits(predicted[rows, picked])  # (B, m, N)
-    target = labels[:, 1:][rows, picked]
-    teacher = features[:, 1:][rows, picked] if distill == "soft" else None  # f_{p+1}
-    classification = _classification_loss(drafter, logits, target, teacher)
-    with torch.no_grad():
-        valid = target >= 0
-        correct = torch.tensor([int(((logits.argmax(-1) == target) & valid).sum())])
-        counted = torch.tensor([int(valid.sum())])
-    return regression + cls_weight * classification, correct, counted
+    total = features.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(ttt_steps, dtype=torch.int64)
+    counted = torch.zeros(ttt_steps, dtype=torch.int64)
+    for j in range(1, ttt_steps + 1):
+        positions = torch.arange(j, span + j).expand(B, span)
+        mask = rollout_mask(span, j, B, dtype)
+        predicted = drafter(current, tokens[:, j : span + j], positions, cache, mask)  # (B, span, H): f^_{p+j}
+        truth = features[:, j : span + j]  # f_{p+j}
+        regression = F.smooth_l1_loss(predicted.float(), truth.float())
+        picked = _sample_positions(B, span, loss_positions, generator)  # (B, m)
+        logits = drafter.logits(predicted[rows, picked])  # (B, m, N)
+        target = labels[:, j : span + j][rows, picked]
+        teacher = truth[rows, picked] if distill == "soft" else None
+        classification = _classification_loss(drafter, logits, target, teacher)
+        total = total + 0.8 ** (j - 1) * (regression + cls_weight * classification)
+        with torch.no_grad():
+            valid = target >= 0
+            correct[j - 1] = int(((logits.argmax(-1) == target) & valid).sum())
+            counted[j - 1] = int(valid.sum())
+        current = predicted
+    return total, correct, counted
 
 
 @torch.no_grad()
@@ -529,15 +582,9 @@ def validate(
         cache = drafter.new_cache()
         current = f[:, :span]  # step 1: the true features f_p, causal over the true pairs (as the cache holds)
         dtype = drafter.fc.weight.dtype
-        lower = torch.ones(span, span, dtype=torch.bool).tril()
-        eye = torch.eye(span, dtype=torch.bool)
         for j in range(1, depth + 1):
             positions = torch.arange(j, span + j).expand(B, span)
-            mask = None
-            if j > 1:  # rollout p sees the true pairs q <= p and its own earlier steps only
-                allowed = torch.cat([lower] + [eye] * (j - 1), dim=1)  # (span, span * j)
-                additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-                mask = {"full_attention": additive.view(1, 1, *allowed.shape).expand(B, 1, *allowed.shape)}
+            mask = rollout_mask(span, j, B, dtype)
             predicted = drafter(current, x[:, j : span + j], positions, cache, mask)  # (B, span, H): f^_{p+j}
             target = y[:, j : span + j]
             valid = target >= 0
@@ -691,7 +738,7 @@ def train_drafter(
     batches_per_epoch = max(1, train_idx.shape[0] // config.batch_size)
     bar = tqdm(total=config.max_steps, initial=step, unit="step", desc=f"train {config.kind}", disable=not progress)
     loss_avg = None
-    correct_sum = torch.zeros(config.num_heads if config.kind == "medusa" else 1)
+    correct_sum = torch.zeros(config.num_heads if config.kind == "medusa" else config.ttt_steps)
     counted_sum = torch.zeros_like(correct_sum)
     stop_reason = "max_steps"
     while step < config.max_steps:
@@ -721,6 +768,7 @@ def train_drafter(
                     config.loss_positions,
                     sampler,
                     config.distill,
+                    config.ttt_steps,
                 )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -868,6 +916,13 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="positions per sequence scored by the LM head each step (default 128; 0 = all)",
     )
     p.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=defaults.ttt_steps,
+        help="EAGLE: draft steps unrolled in training on the head's own features (EAGLE-3's training-time "
+        f"test); 1 = teacher forcing only (default {defaults.ttt_steps})",
+    )
+    p.add_argument(
         "--save-dtype",
         choices=list(SAVE_DTYPES),
         default=defaults.save_dtype,
@@ -905,6 +960,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         val_every=args.val_every,
         save_every=args.save_every,
         loss_positions=args.loss_positions or None,
+        ttt_steps=args.ttt_steps,
         seed=args.seed,
         save_dtype=args.save_dtype,
     )
