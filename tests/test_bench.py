@@ -11,7 +11,7 @@ import torch
 from specdecode.bench import metrics
 from specdecode.bench.methods import METHODS, BenchModels, BenchSettings, Method, MethodOutput, expand
 from specdecode.bench.prompts import load_prompts, load_spec_bench, select, take_per_group
-from specdecode.bench.report import ACCEPTANCE_PNG, SPEEDUP_PNG, load_results, render
+from specdecode.bench.report import ACCEPTANCE_PNG, SPEEDUP_PNG, load_results, markdown, render
 from specdecode.bench.runner import run_bench, save_results
 from specdecode.cli import main
 from specdecode.stats import SpecStats
@@ -183,6 +183,19 @@ def test_speedup_sum_and_mean_of_ratios():
     assert summary["all"]["efficiency"] == pytest.approx(2 / 3)
     assert summary["all"]["tokens_per_s"] == pytest.approx(4 / 2.5)  # 2 tokens per record
     assert metrics.summarize(base + mine, ["target", "m"], greedy=False)["m"]["all"]["exact"] is None
+
+
+def test_decode_speedup_leaves_the_shared_prefill_out():
+    """Prefill 3 s in both; decoding 4 s (target) against 1 s: 4x after the first token, 7 / 4 end to end;
+    a turn without a time to first token (a peer's) counts in neither."""
+    base = [record("target", 1, 7.0, stats={"time_to_first_token_s": 3.0}), record("target", 2, 5.0)]
+    mine = [record("m", 1, 4.0, stats={"time_to_first_token_s": 3.0}), record("m", 2, 1.0)]
+    assert metrics.decode_speedup(mine, base) == pytest.approx(4.0)
+    assert metrics.speedups(mine[:1], base)[0] == pytest.approx(7 / 4)
+    assert metrics.decode_speedup([record("peer", 1, 2.0)], base) is None
+    summary = metrics.summarize(base + mine, ["target", "m"], greedy=True)
+    table = markdown({"records": base + mine, "methods": ["target", "m"]}, summary)
+    assert "decode speedup (TPOT)" in table and "4.00x" in table
 
 
 # ----------------------------------------------------------------------------- exactness, skipped peers

@@ -8,6 +8,12 @@ sums run over the records of that method and group. Terms as in DESIGN.md §4.
 
 - ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
 - ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).
+- ``decode_speedup``: Σ (wall time - time to first token) of ``target`` / the same Σ of the method,
+  over the turns both ran with a recorded time to first token: the speedup of the time per output
+  token after the first (TPOT), i.e. of the decoding phase alone. The prefill (and its first token)
+  is the same work for every method, and where answers are short next to their prompts it bounds
+  ``speedup`` (Amdahl): with a share p of the target's time in the prefill, ``speedup`` is at most
+  ``1 / p``. None for peers (no statistics, so no time to first token).
 - ``tokens_per_s``: Σ new tokens / Σ wall time (tokens per second).
 - ``mean_acceptance_length``: 1 + Σ accepted tokens / Σ drafts (tokens gained per target pass
   that verified a draft, bonus or recovered token included).
@@ -79,6 +85,25 @@ def speedups(records: Sequence[Record], baseline: Sequence[Record]) -> tuple[flo
     total = _ratio(sum(s[0] for s in per_prompt.values()), sum(s[1] for s in per_prompt.values()))
     ratios = [s[0] / s[1] for s in per_prompt.values() if s[1] > 0]
     return total, (sum(ratios) / len(ratios) if ratios else None)
+
+
+def _decode_seconds(record: Record) -> float | None:
+    """Wall time after the first token (seconds), or None without a recorded time to first token."""
+    ttft = (record.get("stats") or {}).get("time_to_first_token_s")
+    return None if ttft is None else float(record["wall_time_s"]) - float(ttft)
+
+
+def decode_speedup(records: Sequence[Record], baseline: Sequence[Record]) -> float | None:
+    """``decode_speedup`` of ``records`` over ``baseline`` (see module doc): a ratio of seconds after
+    the first token, over the turns both ran with a time to first token. None when none matches."""
+    base = {_turn_key(r): _decode_seconds(r) for r in baseline}
+    theirs, mine = 0.0, 0.0
+    for r in records:
+        before, after = base.get(_turn_key(r)), _decode_seconds(r)
+        if before is not None and after is not None:
+            theirs += before
+            mine += after
+    return _ratio(theirs, mine) if theirs > 0 else None
 
 
 def exactness(records: Sequence[Record], baseline: Sequence[Record]) -> float | None:
@@ -157,6 +182,7 @@ def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy
         "tokens_per_s": _ratio(new_tokens, wall),
         "speedup": speedup,
         "speedup_mean": speedup_mean,
+        "decode_speedup": decode_speedup(records, baseline),
         **stats_metrics([r["stats"] for r in records] if has_stats else [], k),
         "exact": exactness(records, baseline) if greedy else None,
     }

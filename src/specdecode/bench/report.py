@@ -23,6 +23,7 @@ COLUMNS = [  # (metric key, header, format)
     ("prompts", "prompts", "{:d}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("speedup_mean", "mean per-prompt speedup", "{:.2f}x"),
+    ("decode_speedup", "decode speedup (TPOT)", "{:.2f}x"),
     ("tokens_per_s", "tokens/s", "{:.1f}"),
     ("mean_acceptance_length", "mean acceptance length", "{:.2f}"),
     ("acceptance_rate", "acceptance rate", "{:.2f}"),
