@@ -7,7 +7,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.proposers import PromptLookupConfig, PromptLookupProposer, make_proposer
-from specdecode.proposers.prompt_lookup import find_continuation
+from specdecode.proposers.prompt_lookup import find_continuation, find_continuations
 
 from conftest import constant_target, make_tiny_model
 from reference import exact_marginals, target_only_greedy
@@ -40,6 +40,24 @@ def test_no_match_gives_an_empty_draft() -> None:
     assert find_continuation(t([7]), 4, 3, 1).numel() == 0
 
 
+def test_spec_factor_bounds_the_draft_by_the_match_length() -> None:
+    """SuffixDecoding's rule: after a match of n tokens, at most ceil(factor * n) tokens."""
+    #            0  1  2  3  4  5  6  7  8  9 10 11 12
+    context = t([1, 2, 3, 9, 8, 7, 6, 5, 4, 4, 1, 2, 3])  # "1 2 3" (n = 3) at 0
+    assert find_continuation(context, 8, 3, 1, max_spec_factor=None).tolist() == [9, 8, 7, 6, 5, 4, 4, 1]
+    assert find_continuation(context, 8, 3, 1, max_spec_factor=2.0).tolist() == [9, 8, 7, 6, 5, 4]  # 6 = 2 * 3
+    assert find_continuation(context, 8, 3, 1, max_spec_factor=0.5).tolist() == [9, 8]  # ceil(1.5)
+    assert find_continuation(context, 4, 3, 1, max_spec_factor=2.0).tolist() == [9, 8, 7, 6]  # k still bounds it
+    # with n <= 1 only "3" matches (n = 1): one token at factor 1, three at factor 2.5
+    assert find_continuation(context, 8, 1, 1, max_spec_factor=1.0).tolist() == [9]
+    assert find_continuation(context, 8, 1, 1, max_spec_factor=2.5).tolist() == [9, 8, 7]
+    # the tree's continuations follow the same rule, each by its own match length
+    tree = find_continuations(t([4, 5, 6, 7, 8, 5, 6, 9, 9, 5, 6]), 8, 2, 1, 4, max_spec_factor=1.5)
+    assert tree == [[9, 9, 5], [7, 8, 5], [9, 9], [7, 8]]  # "5 6" (n = 2): 3 tokens each; "6" (n = 1): 2
+    proposer = make_proposer("prompt_lookup", max_ngram=3, max_spec_factor=2.0)
+    assert proposer.propose(context, 8, SamplingParams(), None).ids.tolist() == [9, 8, 7, 6, 5, 4]
+
+
 def test_long_context() -> None:
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, 50_000, (8192,), generator=g)
@@ -48,7 +66,14 @@ def test_long_context() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "name"), [({"min_ngram": 0}, "min_ngram"), ({"max_ngram": 1, "min_ngram": 2}, "max_ngram")]
+    ("kwargs", "name"),
+    [
+        ({"min_ngram": 0}, "min_ngram"),
+        ({"max_ngram": 1, "min_ngram": 2}, "max_ngram"),
+        ({"max_spec_factor": 0}, "max_spec_factor"),
+        ({"max_spec_factor": 65.0}, "max_spec_factor"),
+        ({"max_spec_factor": True}, "max_spec_factor"),
+    ],
 )
 def test_bad_config(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -62,8 +87,9 @@ def test_unknown_proposer() -> None:
         make_proposer("hydra")
 
 
+@pytest.mark.parametrize("factor", [None, 1.5])
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_greedy_equals_target_only(tiny_target, k: int) -> None:
+def test_greedy_equals_target_only(tiny_target, k: int, factor: float | None) -> None:
     cases = {
         "agrees": (constant_target(), [9, 4] + [0] * 12),  # the prompt already shows what comes
         "never": (tiny_target, list(range(0, 90, 3))),  # lookups find little, and guess wrong
@@ -71,7 +97,7 @@ def test_greedy_equals_target_only(tiny_target, k: int) -> None:
     }
     rates = {}
     for name, (target, prompt) in cases.items():
-        spec = SpeculativeGenerator(target, proposer=PromptLookupProposer())
+        spec = SpeculativeGenerator(target, proposer=PromptLookupProposer(PromptLookupConfig(max_spec_factor=factor)))
         expected = target_only_greedy(target, prompt, 30)
         result = spec.generate(prompt, SamplingParams(max_new_tokens=30), num_speculative_tokens=k)
         assert result.token_ids == expected, name
@@ -81,14 +107,16 @@ def test_greedy_equals_target_only(tiny_target, k: int) -> None:
     assert 0.0 < rates["partly"] < 0.9, rates
 
 
-def test_sampled_tokens_follow_the_target() -> None:
+@pytest.mark.parametrize("factor", [None, 1.0])
+def test_sampled_tokens_follow_the_target(factor: float | None) -> None:
     """A deterministic proposal verified by rejection sampling with one-hot q: the first three
-    tokens follow the exact target marginals (chi-square, p > P_MIN, 1,500 seeded samples)."""
+    tokens follow the exact target marginals (chi-square, p > P_MIN, 1,500 seeded samples), with
+    drafts bounded by k alone or by the match length too."""
     target = make_tiny_model(vocab_size=12, seed=5, init=0.3)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3]
     sampling = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, max_new_tokens=3)
     exact = exact_marginals(target, prompt, 3, sampling)
-    spec = SpeculativeGenerator(target, proposer=PromptLookupProposer())
+    spec = SpeculativeGenerator(target, proposer=PromptLookupProposer(PromptLookupConfig(max_spec_factor=factor)))
     samples = [
         spec.generate(prompt, SamplingParams(**{**sampling.__dict__, "seed": s}), num_speculative_tokens=2)
         for s in range(1_500)

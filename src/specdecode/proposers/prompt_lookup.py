@@ -7,6 +7,7 @@ where the output repeats the input: summarization, retrieval-augmented answers, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ class PromptLookupConfig:
     Attributes:
         max_ngram: the longest suffix of the context to look up (tokens).
         min_ngram: the shortest one tried before giving up (tokens), 1 <= min_ngram <= max_ngram.
+        max_spec_factor: draft at most ``ceil(max_spec_factor * n)`` tokens after a match of n
+            tokens, a number in (0, 64], or None (k alone bounds the draft). SuffixDecoding's
+            adaptive speculation length (Oliaro et al. 2024, arXiv 2411.04975): a short match is weak
+            evidence, so its draft stays short and a long one drafts far.
 
     Raises:
         ValueError: bounds outside the above.
@@ -32,12 +37,28 @@ class PromptLookupConfig:
 
     max_ngram: int = field(default=3, metadata={"help": "longest n-gram looked up (default 3)"})
     min_ngram: int = field(default=1, metadata={"help": "shortest n-gram looked up (default 1)"})
+    max_spec_factor: float | None = field(
+        default=None,
+        metadata={"help": "draft at most ceil(factor * match length) tokens (default: suffix 1.0, prompt_lookup none)"},
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
             raise ValueError(f"min_ngram must be an integer >= 1, got {self.min_ngram!r}")
         if not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
             raise ValueError(f"max_ngram must be an integer >= min_ngram ({self.min_ngram}), got {self.max_ngram!r}")
+        factor = self.max_spec_factor
+        if factor is not None and (
+            not isinstance(factor, int | float) or isinstance(factor, bool) or not 0 < factor <= 64
+        ):
+            raise ValueError(f"max_spec_factor must be None or a number in (0, 64], got {factor!r}")
+
+
+def draft_length(num_tokens: int, ngram: int, max_spec_factor: float | None) -> int:
+    """``min(num_tokens, ceil(max_spec_factor * ngram))``, or ``num_tokens`` when the factor is None."""
+    if max_spec_factor is None:
+        return num_tokens
+    return min(num_tokens, math.ceil(max_spec_factor * ngram - 1e-9))
 
 
 def _ngram_hits(context: torch.Tensor, max_ngram: int, min_ngram: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -49,7 +70,9 @@ def _ngram_hits(context: torch.Tensor, max_ngram: int, min_ngram: int) -> Iterat
         yield n, (windows == context[T - n :]).all(dim=1).nonzero().view(-1)  # (h,)
 
 
-def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
+def find_continuation(
+    context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int, max_spec_factor: float | None = None
+) -> torch.Tensor:
     """The tokens that followed an earlier occurrence of the context's last n tokens.
 
     n runs from ``max_ngram`` down to ``min_ngram``; the first n with a match wins (longer
@@ -61,7 +84,8 @@ def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, mi
     Args:
         context: int64 ``[T]``.
         num_tokens: k >= 1, the most tokens to return.
-        max_ngram, min_ngram: see :class:`PromptLookupConfig`.
+        max_ngram, min_ngram, max_spec_factor: see :class:`PromptLookupConfig` (the factor bounds the
+            draft after a match of n tokens to ``ceil(factor * n)``).
 
     Returns:
         int64 ``[m]`` with 0 <= m <= k (empty when nothing matches).
@@ -69,14 +93,20 @@ def find_continuation(context: torch.Tensor, num_tokens: int, max_ngram: int, mi
     T = context.shape[0]
     for n, hits in _ngram_hits(context, max_ngram, min_ngram):
         if hits.numel():
-            full = hits[hits + n + num_tokens <= T]  # matches followed by num_tokens tokens
+            length = draft_length(num_tokens, n, max_spec_factor)
+            full = hits[hits + n + length <= T]  # matches followed by `length` tokens
             start = int(full[-1] if full.numel() else hits[0]) + n
-            return context[start : start + num_tokens].clone()
+            return context[start : start + length].clone()
     return torch.empty(0, dtype=torch.int64)
 
 
 def find_continuations(
-    context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int, max_matches: int
+    context: torch.Tensor,
+    num_tokens: int,
+    max_ngram: int,
+    min_ngram: int,
+    max_matches: int,
+    max_spec_factor: float | None = None,
 ) -> list[list[int]]:
     """The continuations of up to ``max_matches`` earlier occurrences of the context's last n tokens.
 
@@ -84,15 +114,17 @@ def find_continuations(
 
     Args:
         context: int64 ``[T]``; num_tokens: tokens per continuation (fewer at the context's end);
-        max_ngram, min_ngram: see :class:`PromptLookupConfig`; max_matches: the most continuations.
+        max_ngram, min_ngram, max_spec_factor: see :class:`PromptLookupConfig` (a match of n tokens
+            continues at most ``ceil(factor * n)`` tokens); max_matches: the most continuations.
 
     Returns:
         lists of token ids, best first (empty when nothing matches).
     """
     found: list[list[int]] = []
     for n, hits in _ngram_hits(context, max_ngram, min_ngram):
+        length = draft_length(num_tokens, n, max_spec_factor)
         for start in reversed((hits + n).tolist()):
-            continuation = context[start : start + num_tokens].tolist()
+            continuation = context[start : start + length].tolist()
             if continuation not in found:
                 found.append(continuation)
                 if len(found) >= max_matches:
@@ -119,7 +151,8 @@ class PromptLookupProposer:
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> DraftTokens:
-        ids = find_continuation(context, num_tokens, self.config.max_ngram, self.config.min_ngram)
+        c = self.config
+        ids = find_continuation(context, num_tokens, c.max_ngram, c.min_ngram, c.max_spec_factor)
         return DraftTokens(ids)
 
     def propose_tree(
@@ -141,7 +174,14 @@ class PromptLookupProposer:
         """
         depth = tree.depth
         return trie_tree(
-            find_continuations(context, depth, self.config.max_ngram, self.config.min_ngram, tree.num_nodes),
+            find_continuations(
+                context,
+                depth,
+                self.config.max_ngram,
+                self.config.min_ngram,
+                tree.num_nodes,
+                self.config.max_spec_factor,
+            ),
             tree.num_nodes,
             depth,
         )
