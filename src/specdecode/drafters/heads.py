@@ -36,6 +36,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2Model
 
 from specdecode.errors import IncompatibleModelsError
+from specdecode.models.compat import cache_kwargs
 from specdecode.models.quant import int8_linear
 
 KINDS = ("medusa", "eagle")
@@ -352,7 +353,7 @@ class EagleHead(Drafter):
         out = self.decoder(
             inputs_embeds=self.fc(x),
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_kwargs(self.decoder, cache),
             use_cache=cache is not None,
             attention_mask=attention_mask,
         )

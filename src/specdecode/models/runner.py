@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from specdecode.models.compat import cache_kwargs
 from specdecode.models.cpu import use_onednn_linears
 
 # Config attributes of models whose logits are not plain ``lm_head(hidden states)`` (soft-capping in
@@ -186,11 +187,15 @@ class ModelRunner:
             if return_hidden:
                 check_decoder_logits(self.model, "return_hidden")
             decoder = self.model.get_decoder()
-            hidden = decoder(input_ids=ids, past_key_values=self.cache, use_cache=True).last_hidden_state  # (1, T, H)
+            hidden = decoder(
+                input_ids=ids, **cache_kwargs(decoder, self.cache), use_cache=True
+            ).last_hidden_state  # (1, T, H)
             self.length += T
             logits = self._head(hidden[:, -num_logits:])[0]  # (num_logits, V) or (num_logits, N)
             return (logits, hidden[0]) if return_hidden else logits
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=num_logits)
+        out = self.model(
+            input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=num_logits
+        )
         self.length += T
         return out.logits[0, -num_logits:].float()  # (num_logits, V)
 
@@ -286,7 +291,7 @@ class ModelRunner:
             input_ids=input_ids.view(1, M).to(self.device),  # (1, M)
             position_ids=position_ids.view(1, M).to(self.device),  # (1, M)
             attention_mask={"full_attention": mask.view(1, 1, *attend.shape).to(self.device)},  # (1, 1, M, L)
-            past_key_values=cache,
+            **cache_kwargs(self.model, cache),
             use_cache=True,
         )
 
@@ -318,7 +323,8 @@ class ModelRunner:
         a, b, c, d, e, f = (torch.tensor([(7 + 13 * i) % V]) for i in range(6))
         with torch.inference_mode():
             scratch = DynamicCache(config=config)
-            self.model(input_ids=torch.cat([a, b]).view(1, 2).to(self.device), past_key_values=scratch, use_cache=True)
+            prefix = torch.cat([a, b]).view(1, 2).to(self.device)
+            self.model(input_ids=prefix, **cache_kwargs(self.model, scratch), use_cache=True)
             # root c; nodes d (child of c), e (child of c), f (child of e); positions 2, 3, 3, 4
             attend = torch.tensor(
                 [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool

@@ -144,7 +144,7 @@ def early_exit_view(target: PreTrainedModel, exit_layer: int) -> PreTrainedModel
     and LM head: the same module objects (no weight is copied), under a config copy whose
     ``num_hidden_layers`` is ``exit_layer``.
 
-    Its forward is the target class's own, so it takes ``past_key_values`` (a ``DynamicCache`` built
+    Its forward is the target class's own, so it takes the target's KV cache (a ``DynamicCache`` built
     from its config has ``exit_layer`` layers) and ``logits_to_keep`` like the target, and
     :class:`~specdecode.models.runner.ModelRunner` runs it. Logits: float ``[B, T, V]`` in the
     target's dtype, ``V`` the target's vocabulary.

@@ -23,7 +23,7 @@ entries stay in the buffer, masked by the rule above, until overwritten. Rows jo
 the active rows are always ``0 .. num_rows - 1`` and the decode batch is a view of the buffers.
 
 Works with ``transformers`` decoder-only models whose attention layers call
-``past_key_values.update(key, value, layer_idx)`` and apply rotary embeddings from
+the KV cache's ``update(key, value, layer_idx)`` and apply rotary embeddings from
 ``position_ids`` (Qwen2, Llama, Mistral, ...), with ``sdpa`` or ``eager`` attention. Sliding-window
 layers get the same mask, cut to the window.
 """
@@ -36,13 +36,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.models.compat import cache_kwargs
 from specdecode.models.runner import check_decoder_logits
 
 _ATTENTION = ("sdpa", "eager")
 
 
 class BatchedKVCache:
-    """Per-layer key / value buffers with a length per row; passed to the model as ``past_key_values``.
+    """Per-layer key / value buffers with a length per row; passed to the model as its KV cache
+    (``cache`` or ``past_key_values``, :func:`specdecode.models.compat.cache_kwargs`).
 
     Buffers are created on the first :meth:`update` of each layer (shape, dtype and device from
     the model's keys) and grow along the sequence axis when a forward needs more room.
@@ -270,7 +272,7 @@ class BatchedRunner:
             "input_ids": ids.to(device),
             "position_ids": positions,
             "attention_mask": self._masks(positions, kv_length, self.model.dtype),
-            "past_key_values": self.cache,
+            **cache_kwargs(self.model, self.cache),
             "use_cache": True,
         }
         hidden = None
