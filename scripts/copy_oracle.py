@@ -15,7 +15,8 @@ lossless method). Per category group it prints:
   this request) could draft with a perfect choice of match, at no cost. A proposer's decode speedup
   is at most its tokens per pass times (one-token pass time / (K+1)-token pass time), so it is at
   most the oracle's value.
-- ``lookup``: the tokens per pass prompt lookup itself reached in the replay with its defaults.
+- ``lookup@4``: the tokens per pass prompt lookup reached in the replay with n-grams 1 to 3 and k = 4
+  (its defaults before 2026-11-25).
 
 Usage: python scripts/copy_oracle.py docs/results/issue4-pld-summarization-rag-8/results.json [--k 4,8,16]
 """
@@ -54,9 +55,9 @@ def longest_copy(context: list[int], coming: list[int], limit: int) -> int:
 
 def tokens_per_pass(prompt: list[int], answer: list[int], limit: int, oracle: bool) -> tuple[int, int]:
     """``(passes, tokens)`` replaying ``answer`` with drafts of at most ``limit`` tokens: the oracle's
-    longest copy, or prompt lookup's draft (its default n-grams) accepted as far as it matches."""
+    longest copy, or prompt lookup's draft (n-grams 1 to 3) accepted as far as it matches."""
     passes, i = 0, 0
-    config = PromptLookupConfig()
+    config = PromptLookupConfig(max_ngram=3, min_ngram=1, max_spec_factor=None)
     while i < len(answer):
         remaining = len(answer) - i - 1  # the last token comes from the pass, never from a draft
         if oracle:

@@ -326,16 +326,25 @@ def test_hf_assisted_with_another_draft_is_parsed_and_checked(models, tmp_path):
 
 
 def test_without_a_sweep_each_method_runs_at_its_proposers_default_k(models, questions):
-    """No ``-k``: plain column names, each proposer's default k used and recorded (prompt lookup 4,
-    a draft behind lookup 8, EAGLE would be 2), and a fixed ``k=`` still wins."""
-    names = ["target", "prompt_lookup", "prompt_lookup(k=2)", "draft_model(prompt_lookup_min=2,label=dl)"]
+    """No ``-k``: plain column names, each proposer's default k used and recorded (prompt lookup 8,
+    a draft model 4, a draft behind lookup 8, EAGLE would be 2), and a fixed ``k=`` still wins."""
+    names = [
+        "target",
+        "prompt_lookup",
+        "prompt_lookup(k=2)",
+        "draft_model",
+        "draft_model(prompt_lookup_min=2,label=dl)",
+    ]
     results = run(models, questions, names, ks=(None,))
-    assert results["methods"] == ["target", "prompt_lookup", "prompt_lookup(k=2)", "dl"]
+    assert results["methods"] == ["target", "prompt_lookup", "prompt_lookup(k=2)", "draft_model", "dl"]
     ks = {r["method"]: r["settings"]["num_speculative_tokens"] for r in results["records"]}
-    assert ks == {"target": None, "prompt_lookup": 4, "prompt_lookup(k=2)": 2, "dl": 8}
-    assert (
-        max(len(r["stats"]["drafted_per_position"]) for r in results["records"] if r["method"] == "prompt_lookup") == 4
-    )
+    assert ks == {"target": None, "prompt_lookup": 8, "prompt_lookup(k=2)": 2, "draft_model": 4, "dl": 8}
+    longest = {
+        m: max(len(r["stats"]["drafted_per_position"]) for r in results["records"] if r["method"] == m)
+        for m in ks
+        if m != "target"
+    }
+    assert longest["draft_model"] == 4 and longest["prompt_lookup(k=2)"] <= 2 and longest["prompt_lookup"] <= 8
 
 
 def test_a_method_can_fix_its_own_k(models, questions):

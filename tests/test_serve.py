@@ -163,7 +163,8 @@ def test_speculative_false_and_other_proposers_give_the_same_text(server) -> Non
             assert spec["enabled"] is False and spec["draft_tokens"] == 0 and spec["proposer"] is None
         else:
             assert spec["proposer"] == options.get("proposer", "draft_model")
-            assert spec["num_speculative_tokens"] == options.get("num_speculative_tokens", 4)  # else the default
+            default = 8 if options.get("proposer") == "prompt_lookup" else 4  # the proposer's own default k
+            assert spec["num_speculative_tokens"] == options.get("num_speculative_tokens", default)
     assert len(set(texts.values())) == 1
 
 
@@ -467,7 +468,8 @@ def test_the_k_of_a_request() -> None:
     """The request's k, else the server's -k, else the proposer's own default (with the server's
     options for its own proposer: prompt lookup first drafts 8)."""
     plain = ServeSettings(model_name="tiny")
-    assert plain.k_for("draft_model") == plain.k_for("prompt_lookup") == plain.k_for(None) == 4
+    assert plain.k_for("draft_model") == plain.k_for("suffix") == plain.k_for(None) == 4
+    assert plain.k_for("prompt_lookup") == 8  # its draft length follows the match (max_spec_factor)
     assert plain.k_for("eagle") == plain.k_for("medusa") == 2 and plain.k_for("eagle", 5) == 5
     assert ServeSettings(model_name="tiny", num_speculative_tokens=3).k_for("eagle") == 3
     hybrid = ServeSettings(model_name="tiny", proposer="eagle", proposer_options={"prompt_lookup_min": 2})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.models.compat import cache_kwargs
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prompt_lookup import PromptLookupProposer, find_continuations
@@ -242,9 +243,8 @@ class _MaskBlind(torch.nn.Module):
         return self.inner.get_output_embeddings()
 
     def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0, **ignored):
-        return self.inner(
-            input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep
-        )
+        cache = cache_kwargs(self.inner, past_key_values)  # an old-style forward in front of today's model
+        return self.inner(input_ids=input_ids, **cache, use_cache=use_cache, logits_to_keep=logits_to_keep)
 
 
 def test_models_that_ignore_tree_masks_fail_clearly(tiny_target) -> None:

@@ -48,7 +48,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         type=int,
         default=None,
         help=f"tokens drafted per step, the starting k of a varying schedule (default: the proposer's, "
-        f"{DEFAULT_K}; eagle and medusa 2, 8 behind --prompt-lookup-min; measured best)",
+        f"{DEFAULT_K}; eagle and medusa 2, prompt_lookup 8, 8 behind --prompt-lookup-min; measured best)",
     )
     p.add_argument(
         "--schedule",

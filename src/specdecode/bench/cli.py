@@ -45,7 +45,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         default=None,
         help="k, or a sweep such as 2,4,6,8 (default: each proposer's own k: 4; eagle and medusa 2; "
-        "8 behind prompt lookup)",
+        "prompt_lookup 8; 8 behind prompt lookup)",
     )
     b.add_argument("--prompts-per-category", type=int, default=None, help="default: all")
     b.add_argument("--repeats", type=int, default=1, help="runs of every prompt (seed + repeat when sampling)")

@@ -146,7 +146,16 @@ def register(spec: ProposerSpec) -> ProposerSpec:
 
 
 register(ProposerSpec("draft_model", DraftModelConfig, _draft_model, True, "a smaller model with the same vocabulary"))
-register(ProposerSpec("prompt_lookup", PromptLookupConfig, _prompt_lookup, False, "n-gram match in the context"))
+register(
+    ProposerSpec(
+        "prompt_lookup",
+        PromptLookupConfig,
+        _prompt_lookup,
+        False,
+        "n-gram match in the context",
+        default_num_speculative_tokens=PromptLookupProposer.default_num_speculative_tokens,
+    )
+)
 register(ProposerSpec("suffix", SuffixConfig, _suffix, False, "suffix tree over the prompt and earlier outputs"))
 register(ProposerSpec("early_exit", EarlyExitConfig, _early_exit, False, "the target's first layers draft"))
 register(

@@ -101,7 +101,7 @@ class SuffixConfig:
     max_depth: int = field(default=24, metadata={"help": "longest context suffix matched, tokens (default 24)"})
     max_spec_factor: float = field(
         default=1.0,
-        metadata={"help": "draft at most ceil(factor * match length) tokens (default: suffix 1.0, prompt_lookup none)"},
+        metadata={"help": "draft at most ceil(factor * match length) tokens (default: suffix 1.0, prompt_lookup 2.0)"},
     )
     min_token_prob: float = field(
         default=0.1, metadata={"help": "stop when the draft's estimated probability < this (default 0.1)"}

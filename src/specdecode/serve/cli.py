@@ -29,7 +29,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=f"default k of requests (default: the request's proposer's own, {DEFAULT_K}; eagle and medusa 2; "
-        "8 behind prompt lookup)",
+        "prompt_lookup 8; 8 behind prompt lookup)",
     )
     s.add_argument(
         "--speculation",

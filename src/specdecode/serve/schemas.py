@@ -10,7 +10,7 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
   refuses ``"on"`` and ``"adaptive"``;
 - ``proposer`` (str): a proposer name (``GET /v1/models`` lists those the server can run);
 - ``num_speculative_tokens`` (int, 1 .. 64): k, the most tokens drafted per step (default: the
-  server's ``--num-speculative-tokens``, else the proposer's own: 4, EAGLE and Medusa 2);
+  server's ``--num-speculative-tokens``, else the proposer's own: 4, EAGLE and Medusa 2, prompt lookup 8);
 - ``top_k`` (int >= 0, 0 = off; -1 is read as off, as in vLLM);
 - ``return_token_ids`` (bool): add the prompt's and the completion's token ids to the choice;
 - ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
