@@ -189,25 +189,51 @@ def test_bad_options_are_named():
         TrainConfig(ttt_steps=0)
 
 
-def _eagle(target, seed=0):
+def _eagle(target, seed=0, std=None):
+    """A random EAGLE head; with ``std``, its decoder layer's matrices drawn that wide, so that what
+    each position attends to moves its top-1 (at the default init the residual path dominates)."""
     torch.manual_seed(seed)
     config = DrafterConfig.for_target("eagle", target, 64, intermediate_size=64)
-    return build_drafter(config, torch.arange(64)).attach(target, dtype=torch.float32)
+    drafter = build_drafter(config, torch.arange(64))
+    if std is not None:
+        with torch.no_grad():
+            for weight in drafter.decoder.layers.parameters():
+                if weight.dim() == 2:
+                    weight.normal_(0.0, std)
+    return drafter.attach(target, dtype=torch.float32)
 
 
 def test_unrolled_eagle_loss_drafts_as_the_head_drafts(target, features):
-    """With ttt_steps D, step j of the loss is the head's own autoregressive draft j (what
-    ``validate`` measures, the way drafting runs): the same top-1 hits at every step, to the count."""
+    """With ttt_steps D, step j of the loss is the head's own autoregressive draft j, as drafting runs
+    it: one rollout at a time on a cache (the true pairs up to p, then its own features): the same
+    top-1 hits at every step, to the count; ``validate`` reports the same agreement."""
     data = load_features(features)
-    drafter = _eagle(target)
+    drafter = _eagle(target, std=0.5)
     labels = _labels(data, drafter)
-    tokens, feats = data["tokens"][:8], data["features"][:8].float()
+    tokens, feats, y = data["tokens"][:3], data["features"][:3].float(), labels[:3]
+    D, L = 3, tokens.shape[1]
     with torch.no_grad():
-        _, correct, counted = eagle_loss(drafter, tokens, feats, labels[:8], 0.0, 0.1, ttt_steps=3)
-    assert correct.shape == counted.shape == (3,) and int(counted.min()) > 0
-    expected = validate(drafter, tokens, feats, labels[:8], depth=3)
-    assert (correct.double() / counted.double()).tolist() == pytest.approx(expected, abs=1e-12)
+        _, correct, counted = eagle_loss(drafter, tokens, feats, y, 0.0, 0.1, ttt_steps=D)
+        hits, seen = torch.zeros(D, dtype=torch.int64), torch.zeros(D, dtype=torch.int64)
+        for b in range(3):
+            for p in range(L - D):
+                cache = drafter.new_cache()
+                out = drafter(
+                    feats[b : b + 1, : p + 1], tokens[b : b + 1, 1 : p + 2], torch.arange(1, p + 2)[None], cache
+                )
+                predicted = out[:, -1:]  # f^_{p+1}
+                for j in range(1, D + 1):
+                    if j > 1:
+                        position = torch.tensor([[p + j]])
+                        predicted = drafter(predicted, tokens[b : b + 1, p + j : p + j + 1], position, cache)
+                    label = int(y[b, p + j])
+                    if label >= 0:
+                        seen[j - 1] += 1
+                        hits[j - 1] += int(drafter.logits(predicted)[0, -1].argmax()) == label
+    assert torch.equal(counted, seen) and torch.equal(correct, hits)
     assert int(correct.sum()) > 0  # a head that hits something: the equality is not 0 == 0
+    expected = (hits.double() / seen.double()).tolist()
+    assert validate(drafter, tokens, feats, y, depth=D) == pytest.approx(expected, abs=1e-12)
 
 
 def test_one_step_eagle_loss_is_teacher_forcing(target, features):

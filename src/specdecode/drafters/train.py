@@ -577,20 +577,10 @@ def validate(
                 hits[j - 1] += float(((drafter.logits(hidden[:, :, j - 1]).argmax(-1) == target) & valid).sum())
                 total[j - 1] += float(valid.sum())
             continue
-        B = x.shape[0]
-        span = L - depth  # rollouts start at p = 0 .. span - 1
-        cache = drafter.new_cache()
-        current = f[:, :span]  # step 1: the true features f_p, causal over the true pairs (as the cache holds)
-        dtype = drafter.fc.weight.dtype
-        for j in range(1, depth + 1):
-            positions = torch.arange(j, span + j).expand(B, span)
-            mask = rollout_mask(span, j, B, dtype)
-            predicted = drafter(current, x[:, j : span + j], positions, cache, mask)  # (B, span, H): f^_{p+j}
-            target = y[:, j : span + j]
-            valid = target >= 0
-            hits[j - 1] += float(((drafter.logits(predicted).argmax(-1) == target) & valid).sum())
-            total[j - 1] += float(valid.sum())
-            current = predicted
+        # EAGLE: the training loss's rollout of ``depth`` steps (no noise), scored at every position
+        _, correct, counted = eagle_loss(drafter, x, f, y, noise=0.0, cls_weight=0.0, ttt_steps=depth)
+        hits += correct.double()
+        total += counted.double()
     drafter.train()
     kept = total > 0
     return (hits[kept] / total[kept]).tolist()
