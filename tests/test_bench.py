@@ -198,6 +198,62 @@ def test_decode_speedup_leaves_the_shared_prefill_out():
     assert "decode speedup (TPOT)" in table and "4.00x" in table
 
 
+def test_speedup_interval_is_a_paired_bootstrap_of_the_speedup():
+    """Prompts from 1 s to 90 s, each about 2x faster: paired, the interval is narrow around 2 whatever
+    the prompts' lengths (unpaired, the lengths would swamp it); the ratio of sums of any resample is a
+    weighted mean of per-prompt ratios, so the interval lies between the smallest and largest of them."""
+    lengths = [1.0, 3.0, 10.0, 30.0, 90.0, 5.0, 20.0, 60.0]
+    ratios = [1.9, 2.1, 2.0, 1.95, 2.05, 2.2, 1.85, 2.0]
+    base = [record("target", i, t) for i, t in enumerate(lengths)]
+    mine = [record("m", i, t / r) for i, (t, r) in enumerate(zip(lengths, ratios, strict=True))]
+    speedup = metrics.speedups(mine, base)[0]
+    low, high = metrics.speedup_interval(mine, base)
+    assert min(ratios) <= low < speedup < high <= max(ratios)
+    assert high - low < 0.2  # paired: the 90x spread of lengths does not enter
+    assert metrics.speedup_interval(mine, base) == [low, high]  # seeded: reproducible
+    narrower = metrics.speedup_interval(mine, base, confidence=0.5)
+    assert low < narrower[0] < narrower[1] < high
+    assert metrics.speedup_interval(mine[:2], base) is None  # fewer than 3 prompts: no interval
+    same = [record("m", i, t / 2) for i, t in enumerate(lengths)]
+    assert metrics.speedup_interval(same, base) == pytest.approx([2.0, 2.0])  # no spread
+    with pytest.raises(ValueError, match="confidence"):
+        metrics.speedup_interval(mine, base, confidence=1.0)
+    summary = metrics.summarize(base + mine, ["target", "m"], greedy=True)
+    assert summary["m"]["all"]["speedup_ci95"] == [low, high]
+    assert summary["target"]["all"]["speedup_ci95"] == pytest.approx([1.0, 1.0])
+
+
+def test_another_baseline_gives_a_paired_ab_comparison(tmp_path, capsys):
+    base = [record("target", i, 4.0, token_ids=(1, 2)) for i in range(4)]
+    a = [record("a", i, 2.0, token_ids=(1, 2)) for i in range(4)]
+    b = [record("b", i, 1.0 + 0.1 * i, token_ids=(1, 2) if i else (1, 3)) for i in range(4)]
+    records, methods = base + a + b, ["target", "a", "b"]
+    over_a = metrics.summarize(records, methods, greedy=True, baseline="a")
+    assert over_a["b"]["all"]["speedup"] == pytest.approx(8.0 / 4.6)  # a's seconds over b's
+    assert over_a["target"]["all"]["speedup"] == pytest.approx(0.5)
+    assert over_a["b"]["all"]["exact"] == pytest.approx(3 / 4)  # token ids compared with a's
+    low, high = over_a["b"]["all"]["speedup_ci95"]
+    assert low <= 8.0 / 4.6 <= high
+    with pytest.raises(ValueError, match="baseline must be one of the methods"):
+        metrics.summarize(records, methods, greedy=True, baseline="c")
+    no_target = metrics.summarize(a + b, ["a", "b"], greedy=True)  # default baseline absent: no speedups
+    assert no_target["b"]["all"]["speedup"] is None and no_target["b"]["all"]["speedup_ci95"] is None
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"records": records, "methods": methods, "greedy": True}))
+    assert main(["bench", "--report", str(path), "--baseline", "a", "--out", str(tmp_path / "ab")]) == 0
+    report = (tmp_path / "ab" / "report.md").read_text()
+    assert "## Speedup over `a`" in report and "speedup 95% CI" in report and "1.74x" in report
+    capsys.readouterr()
+    assert main(["bench", "--report", str(path), "--baseline", "c"]) == 2
+    err = capsys.readouterr().err
+    assert "--baseline must be one of the methods ['target', 'a', 'b'], got 'c'" in err
+    argv = ["bench", "--target", str(tmp_path / "no-such-model"), "--methods", "target,draft_model(k=2,label=d2)",
+            "--baseline", "draft_model"]  # fmt: skip
+    assert main(argv) == 2  # checked against the run's labels before any model loads
+    assert "--baseline must be one of the methods ['target', 'd2'], got 'draft_model'" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- exactness, skipped peers
 def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
     def wrong(models, prompt_ids, settings, k):

@@ -55,6 +55,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help=quick)
     b.add_argument("--out", help="output folder (default: bench-results/<timestamp>)")
     b.add_argument("--report", metavar="RESULTS_JSON", help="re-render tables and plots from a saved results.json")
+    b.add_argument(
+        "--baseline",
+        default="target",
+        metavar="METHOD",
+        help="the method speedups, their 95%% intervals and exactness are measured against, by its report "
+        "label (default target); another method gives an A/B comparison paired per prompt, e.g. "
+        "--report results.json --baseline draft+lookup",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
     return b
@@ -123,10 +131,13 @@ def default_methods(target: str | None) -> list[str]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--report``): tables on stdout, files into ``--out``."""
+    from specdecode.bench.metrics import check_baseline
     from specdecode.bench.report import load_results, render
 
     if args.report:
-        print(render(load_results(args.report), args.out or Path(args.report).parent), end="")
+        results = load_results(args.report)
+        check_baseline(args.baseline, list(dict.fromkeys(r["method"] for r in results["records"])), "--baseline")
+        print(render(results, args.out or Path(args.report).parent, args.baseline), end="")
         return 0
     from specdecode.bench.methods import BenchSettings, expand, split_methods
     from specdecode.bench.prompts import load_prompts
@@ -140,6 +151,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ks: list[int | None] = [None] if sweep is None else list(parse_ks(sweep))  # None: each proposer's default
     names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target)
     variants = expand(names, ks)
+    check_baseline(args.baseline, [v.label for v in variants], "--baseline")  # before any model loads
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
     models = _load_models(args, need_draft=any(v.method.needs_draft for v in variants))
     results = run_bench(models, prompts, variants, settings, args.repeats, not args.no_warmup, not args.no_progress)
@@ -151,6 +163,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results["environment"] = environment()
     out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
     path = save_results(results, out)
-    print(render(results, out), end="")
+    print(render(results, out, args.baseline), end="")
     print(f"results: {path}", file=sys.stderr)
     return 0

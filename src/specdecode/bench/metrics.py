@@ -8,6 +8,12 @@ sums run over the records of that method and group. Terms as in DESIGN.md §4.
 
 - ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
 - ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).
+- ``speedup_ci95``: ``[low, high]``, a 95% paired bootstrap interval of ``speedup`` over prompts:
+  prompts are drawn with replacement (each with its baseline's and the method's seconds, so the
+  pair stays together) and ``speedup`` recomputed, 10,000 times with a fixed seed; the 2.5th and
+  97.5th percentiles (``scipy.stats.bootstrap``, percentile method; Efron & Tibshirani 1993). It
+  measures the spread between prompts, the noise that decides whether two methods differ on these
+  prompts; it does not cover a slower or faster machine. None with fewer than 3 prompts.
 - ``decode_speedup``: Σ (wall time - time to first token) of ``target`` / the same Σ of the method,
   over the turns both ran with a recorded time to first token: the speedup of the time per output
   token after the first (TPOT), i.e. of the decoding phase alone. The prefill (and its first token)
@@ -36,6 +42,10 @@ sums run over the records of that method and group. Terms as in DESIGN.md §4.
 
 Metrics a method cannot have are None: peers have no statistics (only wall time, tokens/s and
 exactness); ``target`` drafts nothing (no acceptance, c or prediction).
+
+The baseline is ``target`` unless :func:`summarize` is given another method (``specdecode bench
+--baseline METHOD``): then ``speedup``, ``speedup_mean``, ``speedup_ci95``, ``decode_speedup`` and
+``exact`` compare each method with that one, an A/B comparison paired per prompt.
 """
 
 from __future__ import annotations
@@ -68,11 +78,8 @@ def predicted_speedup(alpha: float, k: int, c: float) -> float:
     return expected_tokens / (k * c + 1.0)
 
 
-def speedups(records: Sequence[Record], baseline: Sequence[Record]) -> tuple[float | None, float | None]:
-    """``(speedup, speedup_mean)`` of ``records`` over ``baseline`` (ratios of seconds; see module doc).
-
-    Only turns present in both count. None when nothing matches.
-    """
+def _paired_seconds(records: Sequence[Record], baseline: Sequence[Record]) -> dict[str, list[float]]:
+    """``{question_id: [baseline seconds, method seconds]}``, summed over the turns and repeats both ran."""
     base = {_turn_key(r): float(r["wall_time_s"]) for r in baseline}
     per_prompt: dict[str, list[float]] = {}
     for r in records:
@@ -80,11 +87,77 @@ def speedups(records: Sequence[Record], baseline: Sequence[Record]) -> tuple[flo
             sums = per_prompt.setdefault(_turn_key(r)[0], [0.0, 0.0])
             sums[0] += base[_turn_key(r)]
             sums[1] += float(r["wall_time_s"])
+    return per_prompt
+
+
+def speedups(records: Sequence[Record], baseline: Sequence[Record]) -> tuple[float | None, float | None]:
+    """``(speedup, speedup_mean)`` of ``records`` over ``baseline`` (ratios of seconds; see module doc).
+
+    Only turns present in both count. None when nothing matches.
+    """
+    per_prompt = _paired_seconds(records, baseline)
     if not per_prompt:
         return None, None
     total = _ratio(sum(s[0] for s in per_prompt.values()), sum(s[1] for s in per_prompt.values()))
     ratios = [s[0] / s[1] for s in per_prompt.values() if s[1] > 0]
     return total, (sum(ratios) / len(ratios) if ratios else None)
+
+
+MIN_PROMPTS_FOR_INTERVAL = 3
+
+
+def _ratio_of_sums(base: Any, mine: Any, axis: int = -1) -> Any:
+    return base.sum(axis=axis) / mine.sum(axis=axis)
+
+
+def speedup_interval(
+    records: Sequence[Record],
+    baseline: Sequence[Record],
+    confidence: float = 0.95,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+) -> list[float] | None:
+    """``speedup_ci95`` (see module doc): a paired percentile bootstrap interval of ``speedup``.
+
+    Args:
+        records, baseline: one method's records and the baseline's.
+        confidence: the interval's level, in (0, 1).
+        n_resamples: bootstrap resamples; seed: their generator's seed (the same records always
+            give the same interval).
+
+    Returns:
+        ``[low, high]`` (ratios, low <= speedup <= high up to resampling), or None when fewer than
+        ``MIN_PROMPTS_FOR_INTERVAL`` prompts were run by both or a method took no time.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1).
+        ImportError: scipy missing (``pip install 'specdecode[bench]'``).
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    pairs = list(_paired_seconds(records, baseline).values())
+    if len(pairs) < MIN_PROMPTS_FOR_INTERVAL or any(mine <= 0 for _, mine in pairs):
+        return None
+    try:
+        import numpy as np
+        from scipy.stats import bootstrap
+    except ImportError as error:  # pragma: no cover - scipy comes with the bench extra
+        raise ImportError("speedup intervals need scipy: pip install 'specdecode[bench]'") from error
+    base, mine = np.array(pairs, dtype=np.float64).T  # (P,), (P,)
+    if np.allclose(base / mine, base[0] / mine[0]):  # every prompt the same ratio: no spread to resample
+        point = float(base.sum() / mine.sum())
+        return [point, point]
+    result = bootstrap(
+        (base, mine),
+        _ratio_of_sums,
+        paired=True,
+        vectorized=True,
+        n_resamples=n_resamples,
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
 def _decode_seconds(record: Record) -> float | None:
@@ -168,7 +241,8 @@ def stats_metrics(stats: Sequence[dict[str, Any]], k: int | None) -> dict[str, A
 
 
 def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy: bool) -> dict[str, Any]:
-    """Every metric of one method in one group (see module doc); ``baseline`` is ``target``'s records."""
+    """Every metric of one method in one group (see module doc); ``baseline``: the baseline method's
+    records (``target``'s unless :func:`summarize` was given another)."""
     wall = sum(float(r["wall_time_s"]) for r in records)
     new_tokens = sum(int(r["new_tokens"]) for r in records)
     speedup, speedup_mean = speedups(records, baseline)
@@ -182,6 +256,7 @@ def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy
         "tokens_per_s": _ratio(new_tokens, wall),
         "speedup": speedup,
         "speedup_mean": speedup_mean,
+        "speedup_ci95": speedup_interval(records, baseline),
         "decode_speedup": decode_speedup(records, baseline),
         **stats_metrics([r["stats"] for r in records] if has_stats else [], k),
         "exact": exactness(records, baseline) if greedy else None,
@@ -192,8 +267,32 @@ def method_metrics(records: Sequence[Record], baseline: Sequence[Record], greedy
     return out
 
 
-def summarize(records: Sequence[Record], methods: Sequence[str], greedy: bool) -> dict[str, dict[str, Any]]:
-    """``{method: {group: metrics}}`` for every method and group with records, plus ``"all"``."""
+def check_baseline(baseline: str, methods: Sequence[str], name: str = "baseline") -> None:
+    """Check that ``baseline`` is one of ``methods`` (report labels); ``target`` always passes: without
+    its records the speedups are None, as in a run of two methods.
+
+    Raises:
+        ValueError: naming the parameter (``name``, e.g. ``--baseline``) and the methods allowed.
+    """
+    if baseline != BASELINE and baseline not in methods:
+        raise ValueError(f"{name} must be one of the methods {list(methods)}, got {baseline!r}")
+
+
+def summarize(
+    records: Sequence[Record], methods: Sequence[str], greedy: bool, baseline: str = BASELINE
+) -> dict[str, dict[str, Any]]:
+    """``{method: {group: metrics}}`` for every method and group with records, plus ``"all"``.
+
+    Args:
+        records: every record of the run; methods: the methods to summarize, in order.
+        greedy: whether the run was greedy (``exact`` is computed only then).
+        baseline: the method the speedups and ``exact`` compare with (default ``target``).
+
+    Raises:
+        ValueError: ``baseline`` other than ``target`` has no records (the message lists the methods
+            that have; without ``target`` records the speedups are None, as in a run of two methods).
+    """
+    check_baseline(baseline, list(dict.fromkeys(r["method"] for r in records)))
     groups = list(dict.fromkeys(r["group"] for r in records))
     summary: dict[str, dict[str, Any]] = {}
     for method in methods:
@@ -203,7 +302,7 @@ def summarize(records: Sequence[Record], methods: Sequence[str], greedy: bool) -
         summary[method] = {}
         for group in [*groups, ALL]:
             in_group = [r for r in mine if group in (ALL, r["group"])]
-            baseline = [r for r in records if r["method"] == BASELINE and group in (ALL, r["group"])]
+            base = [r for r in records if r["method"] == baseline and group in (ALL, r["group"])]
             if in_group:
-                summary[method][group] = method_metrics(in_group, baseline, greedy)
+                summary[method][group] = method_metrics(in_group, base, greedy)
     return summary

@@ -23,6 +23,7 @@ COLUMNS = [  # (metric key, header, format)
     ("prompts", "prompts", "{:d}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("speedup_mean", "mean per-prompt speedup", "{:.2f}x"),
+    ("speedup_ci95", "speedup 95% CI", "{:.2f}-{:.2f}x"),
     ("decode_speedup", "decode speedup (TPOT)", "{:.2f}x"),
     ("tokens_per_s", "tokens/s", "{:.1f}"),
     ("mean_acceptance_length", "mean acceptance length", "{:.2f}"),
@@ -56,7 +57,7 @@ def _cell(value: Any, fmt: str | None) -> str:
         return "-"
     if fmt is None:
         return " ".join(f"{v:.2f}" for v in value)
-    return fmt.format(value)
+    return fmt.format(*value) if isinstance(value, list | tuple) else fmt.format(value)
 
 
 def _row(cells: Sequence[str]) -> str:
@@ -88,11 +89,13 @@ def detail_table(summary: dict[str, dict[str, Any]], groups: Sequence[str]) -> s
     return "\n".join(lines)
 
 
-def markdown(results: dict[str, Any], summary: dict[str, dict[str, Any]]) -> str:
-    """The whole report: settings, skipped methods, the speedup table and the detail table."""
+def markdown(results: dict[str, Any], summary: dict[str, dict[str, Any]], baseline: str = BASELINE) -> str:
+    """The whole report: settings, skipped methods, the speedup table and the detail table; speedups,
+    their intervals and ``exact`` are over ``baseline``."""
     groups = [*dict.fromkeys(r["group"] for r in results["records"]), ALL]
     settings = ", ".join(f"{k}={v}" for k, v in results.get("settings", {}).items())
-    parts = ["# specdecode bench", f"Settings: {settings}", "", "## Speedup over `target` (mean acceptance length)"]
+    title = f"## Speedup over `{baseline}` (mean acceptance length)"
+    parts = ["# specdecode bench", f"Settings: {settings}", "", title]
     parts += [speedup_table(summary, groups), "", "## All metrics", detail_table(summary, groups), ""]
     parts.append("Metric definitions: `specdecode.bench.metrics` (module docstring).")
     for method, reason in results.get("skipped", {}).items():
@@ -102,14 +105,16 @@ def markdown(results: dict[str, Any], summary: dict[str, dict[str, Any]]) -> str
     return "\n".join(parts) + "\n"
 
 
-def plot_speedup(summary: dict[str, dict[str, Any]], groups: Sequence[str], path: Path) -> None:
-    """Grouped bars: speedup over ``target`` per group (x) and method (bars); 1x dashed."""
+def plot_speedup(
+    summary: dict[str, dict[str, Any]], groups: Sequence[str], path: Path, baseline: str = BASELINE
+) -> None:
+    """Grouped bars: speedup over ``baseline`` per group (x) and method (bars); 1x dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in summary if m != BASELINE]
+    methods = [m for m in summary if m != baseline]
     fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 2.0 + 0.3 * len(groups) * max(1, len(methods)))), 4.5))
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
@@ -117,7 +122,7 @@ def plot_speedup(summary: dict[str, dict[str, Any]], groups: Sequence[str], path
         ax.bar([x + i * width for x in range(len(groups))], values, width, label=method)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(groups))], list(groups), rotation=30)
-    ax.set_ylabel("speedup over target (x)")
+    ax.set_ylabel(f"speedup over {baseline} (x)")
     ax.set_title("Speedup per category")
     if methods:
         ax.legend(fontsize="small")
@@ -150,14 +155,20 @@ def plot_acceptance(summary: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def render(results: dict[str, Any], out_dir: str | Path) -> str:
-    """Compute the metrics, write ``report.md`` and both PNGs into ``out_dir``; return the Markdown."""
+def render(results: dict[str, Any], out_dir: str | Path, baseline: str = BASELINE) -> str:
+    """Compute the metrics, write ``report.md`` and both PNGs into ``out_dir``; return the Markdown.
+
+    ``baseline``: the method speedups are measured against (default ``target``).
+
+    Raises:
+        ValueError: ``baseline`` is not a method of the results (see :func:`summarize`).
+    """
     out = Path(out_dir)
+    summary = summarize(results["records"], results["methods"], results.get("greedy", True), baseline)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(results["records"], results["methods"], results.get("greedy", True))
-    text = markdown(results, summary)
+    text = markdown(results, summary, baseline)
     (out / "report.md").write_text(text, encoding="utf-8")
     groups = [*dict.fromkeys(r["group"] for r in results["records"]), ALL]
-    plot_speedup(summary, groups, out / SPEEDUP_PNG)
+    plot_speedup(summary, groups, out / SPEEDUP_PNG, baseline)
     plot_acceptance(summary, out / ACCEPTANCE_PNG)
     return text
