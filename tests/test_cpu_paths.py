@@ -113,6 +113,64 @@ def test_no_packed_copy_without_memory_to_spare(every_linear: None, monkeypatch:
     assert cpu.packed_layers(twin) == 2 and cpu.packed_layers(model) == 0  # the original keeps its decision
 
 
+def test_prepack_lets_the_target_take_its_copies_before_a_draft(
+    every_linear: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory for one model's copies only. Lazily, whichever model makes the first multi-row call
+    decides first: a draft that does leaves its target unpacked (what the bench did). prepack() takes
+    the target's decision at once; the draft then finds the memory gone; the target's prepacked layers
+    compute what F.linear does; a second prepack() changes nothing."""
+    target = torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.Linear(80, 48))
+    draft = torch.nn.Sequential(torch.nn.Linear(48, 48))
+    target_bytes = 2 * 80 * 48 * 4
+    x = torch.randn(5, 48)
+
+    def memory(free: int) -> None:
+        monkeypatch.setattr(cpu, "available_memory", lambda: cpu.pack_reserve() + free)
+
+    lazy_target, lazy_draft = copy.deepcopy(target), copy.deepcopy(draft)
+    use_onednn_linears(lazy_target), use_onednn_linears(lazy_draft)
+    memory(target_bytes)
+    with torch.no_grad():
+        lazy_draft(x)  # the draft's first multi-row call: it fits, so it takes the memory
+        memory(target_bytes - 48 * 48 * 4)
+        lazy_target(x)
+    assert cpu.packed_layers(lazy_draft) == 1 and cpu.packed_layers(lazy_target) == 0
+
+    use_onednn_linears(target), use_onednn_linears(draft)
+    memory(target_bytes)
+    assert cpu.prepack(target) == 2  # decided and packed now, before any forward
+    memory(100)  # the target's copies took the memory
+    with torch.no_grad():
+        draft(x)
+        expected = F.linear(F.linear(x, target[0].weight, target[0].bias), target[1].weight, target[1].bias)
+        torch.testing.assert_close(target(x), expected, rtol=1e-5, atol=1e-5)
+    assert cpu.packed_layers(draft) == 0 and cpu.packed_layers(target) == 2
+    assert cpu.prepack(target) == 2 and cpu.prepack(torch.nn.Linear(4, 4)) == 0  # idempotent; unrouted: none
+
+
+def test_targets_are_prepacked_when_loaded_for_speculation(
+    every_linear: None, model_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_model(prepack_now=True) packs at load; from_pretrained does for a speculating target (not
+    without a proposer) and the bench for its target, each before the draft loads (which stays lazy)."""
+    import argparse
+
+    from specdecode.bench.cli import _load_models
+    from specdecode.models.loading import load_model
+
+    target_dir, draft_dir = model_dirs
+    monkeypatch.setattr(cpu, "available_memory", lambda: None)  # unknown memory: packing allowed
+    assert cpu.packed_layers(load_model(target_dir, "target", "float32")) == 0  # lazy by default
+    assert cpu.packed_layers(load_model(target_dir, "target", "float32", prepack_now=True)) > 0
+    spec = SpeculativeGenerator.from_pretrained(target_dir, draft_dir, dtype="float32")
+    assert cpu.packed_layers(spec.target.model) > 0 and cpu.packed_layers(spec.proposer.runner.model) == 0
+    plain = SpeculativeGenerator.from_pretrained(target_dir, dtype="float32", proposer=None)
+    assert cpu.packed_layers(plain.target.model) == 0
+    models = _load_models(argparse.Namespace(target=str(target_dir), draft=str(draft_dir), dtype="float32"), True)
+    assert cpu.packed_layers(models.target) > 0 and cpu.packed_layers(models.draft) == 0
+
+
 def test_size_and_dtype_limits_leave_layers_alone() -> None:
     small = torch.nn.Linear(16, 16)
     assert use_onednn_linears(small) == 0  # under ONEDNN_MIN_WEIGHTS

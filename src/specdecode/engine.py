@@ -201,7 +201,7 @@ class SpeculativeGenerator:
             print("specdecode: the draft has another vocabulary; using --proposer cross_tokenizer", file=sys.stderr)
             spec = PROPOSERS["cross_tokenizer"]
             config = spec.make_config(**proposer_options)
-        target_model = load_model(target_dir, "target", dtype)
+        target_model = load_model(target_dir, "target", dtype, prepack_now=spec is not None)  # before the draft
         draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
         built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)

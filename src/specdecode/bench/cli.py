@@ -100,7 +100,9 @@ def _load_models(args: argparse.Namespace, need_draft: bool) -> Any:
 
     target_dir = resolve_model_dir(args.target, "target")  # every path checked before any weights load
     draft_dir = resolve_model_dir(args.draft, "draft") if need_draft else None
-    target = load_model(target_dir, "target", args.dtype)
+    # the target's prepacked weights first: the bench keeps the float draft beside its int8 copy (for the
+    # peers), which would otherwise leave the target's verification passes without them
+    target = load_model(target_dir, "target", args.dtype, prepack_now=True)
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
     return BenchModels(target, draft, load_tokenizer(target_dir))
 

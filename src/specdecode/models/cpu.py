@@ -233,6 +233,28 @@ def use_onednn_linears(model: torch.nn.Module, pack: bool = True) -> int:
     return len(routed)
 
 
+def prepack(model: torch.nn.Module) -> int:
+    """Take ``model``'s packing decision now and make its prepacked copies (:func:`use_onednn_linears`),
+    instead of on its first multi-row call.
+
+    The decision depends on the memory available when it is taken, so whichever model reaches it
+    first gets the memory. For a target that speculation will verify drafts with, call this right
+    after loading it and before loading a draft: the target's multi-token passes are what every
+    step pays (on the AVX2 reference CPU a 5-token pass costs 1.72 one-token passes packed, 2.06
+    unpacked: docs/benchmarks.md, "The bench's target lost its prepacked weights"), while a
+    draft model mostly runs one-token passes, which do not use the packed copies. Idempotent; a
+    model with no routed layers (not float32, not on the CPU, or small) is left as it is.
+
+    Returns:
+        How many layers of ``model`` hold a prepacked weight afterwards (:func:`packed_layers`; 0
+        when its budget declined).
+    """
+    for module in model.modules():
+        if getattr(module, "_specdecode_packed", None) is not None:
+            _packed_weight(module)  # the first call decides for the model's whole budget
+    return packed_layers(model)
+
+
 def packed_layers(model: torch.nn.Module) -> int:
     """How many layers of ``model`` hold a prepacked oneDNN weight now (:func:`use_onednn_linears`)."""
     return sum(

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdecode.errors import ModelNotFoundError
-from specdecode.models.cpu import auto_dtype, use_onednn_linears
+from specdecode.models.cpu import auto_dtype, prepack, use_onednn_linears
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -67,15 +67,22 @@ def resolve_model_dir(spec: str | Path | None, role: str) -> Path:
 
 
 def load_model(
-    spec: str | Path | None, role: str, dtype: str | torch.dtype = "auto", onednn: bool = True
+    spec: str | Path | None,
+    role: str,
+    dtype: str | torch.dtype = "auto",
+    onednn: bool = True,
+    prepack_now: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM in ``dtype`` for inference (``spec`` as in :func:`resolve_model_dir`).
 
     A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
     few tokens (:func:`specdecode.models.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
-    default kernels). A collection of Python's cycle collector runs first, so that a model
-    loaded after another was dropped does not find memory still held by objects in reference
-    cycles (routed layers themselves form none: they hold their layer weakly).
+    default kernels). With ``prepack_now``, such a model takes its packing decision and makes its
+    prepacked copies at once (:func:`specdecode.models.cpu.prepack`): for a target loaded before
+    its draft, so that the draft's copies cannot leave it without them. A collection of Python's
+    cycle collector runs first, so that a model loaded after another was dropped does not find
+    memory still held by objects in reference cycles (routed layers themselves form none: they
+    hold their layer weakly).
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
@@ -85,6 +92,8 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
+        if prepack_now:
+            prepack(model)
     return model.eval()
 
 

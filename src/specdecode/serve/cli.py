@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print("specdecode serve: the draft has another vocabulary; using --proposer cross_tokenizer")
             args.proposer = "cross_tokenizer"
             settings = settings_from_args(args, name)
-    target = load_model(target_dir, "target", args.dtype)
+    target = load_model(target_dir, "target", args.dtype, prepack_now=True)  # batched and verified passes: many rows
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app, _ = build_app(target, load_tokenizer(target_dir), settings, draft=draft)
