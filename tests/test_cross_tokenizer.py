@@ -345,6 +345,45 @@ def test_which_drafts_count_as_another_vocabulary(model_dirs, pair, toks) -> Non
     assert not vocabularies_differ(model_dirs["target"], root / "template")
 
 
+def test_one_rule_for_folders_and_loaded_models(model_dirs, pair, toks, monkeypatch, capsys) -> None:
+    """:func:`draft_proposer` answers the same for model folders (before any weights load) and for
+    the models loaded from them; ``build_app`` follows it (a foreign draft: ``cross_tokenizer``)."""
+    from specdecode.models.loading import load_model
+    from specdecode.proposers.vocabulary import check_shared_vocabulary, draft_proposer, shares_vocabulary
+    from specdecode.serve.config import ServeSettings
+    from specdecode.serve.server import build_app
+
+    other_ids = model_dirs["target"].parent / "other-ids"
+    pair["target"].save_pretrained(other_ids)
+    toks["draft"].save_pretrained(other_ids)  # the target's embedding size, another tokenizer
+    folders = {**model_dirs, "other_ids": other_ids}
+    loaded = {name: load_model(folder, "draft", "float32") for name, folder in folders.items()}
+    expected = {"draft": "cross_tokenizer", "same": "draft_model", "other_ids": "cross_tokenizer"}
+    for models in (folders, loaded):
+        for name, proposer in expected.items():
+            assert draft_proposer("draft_model", models["target"], models[name]) == proposer, name
+            assert draft_proposer("cross_tokenizer", models["target"], models[name]) == "cross_tokenizer"
+            assert draft_proposer("prompt_lookup", models["target"], models[name]) == "prompt_lookup"
+        assert draft_proposer("draft_model", models["target"], None) == "draft_model"
+        assert draft_proposer(None, models["target"], models["draft"]) is None
+    assert not shares_vocabulary(pair["target"], pair["random"]) and shares_vocabulary(pair["target"], pair["target"])
+    with pytest.raises(IncompatibleModelsError, match="differs from the target's"):
+        check_shared_vocabulary(pair["target"], pair["random"])
+    monkeypatch.setitem(PROPOSERS, "strict", replace(PROPOSERS["draft_model"], name="strict"))
+    with pytest.raises(IncompatibleModelsError, match="proposer 'strict' needs a draft"):
+        draft_proposer("strict", folders["target"], folders["draft"])  # no switch for another proposer
+    assert draft_proposer("draft_model", folders["target"], folders["draft"], announce="here") == "cross_tokenizer"
+    assert "here: the draft has another vocabulary" in capsys.readouterr().err
+
+    settings = ServeSettings(model_name="tiny", proposer="draft_model")
+    _, scheduler = build_app(loaded["target"], toks["target"], settings, draft=loaded["draft"])
+    assert scheduler.settings.proposer == "cross_tokenizer" and "draft_model" not in scheduler.proposers()
+    _, scheduler = build_app(loaded["target"], toks["target"], settings, draft=loaded["other_ids"])
+    assert scheduler.settings.proposer == "cross_tokenizer" and "draft_model" not in scheduler.proposers()
+    _, scheduler = build_app(loaded["target"], toks["target"], settings, draft=loaded["same"])
+    assert scheduler.settings.proposer == "draft_model" and "draft_model" in scheduler.proposers()
+
+
 def test_cli_generate_with_another_tokenizer(model_dirs, capsys) -> None:
     from specdecode.cli import main
 

@@ -464,6 +464,42 @@ def test_serve_cli_checks_flags_before_loading_models(capsys) -> None:
         main(["serve", "--speculation", "sometimes"])
 
 
+def test_serve_cli_with_a_draft_of_another_vocabulary_answers_a_chat(tiny_tokenizer, tmp_path, monkeypatch, capsys):
+    """``specdecode serve --draft smollm2`` (README) through the real entry point, with a tiny target
+    and a tiny draft of another tokenizer in its place: the command switches to ``cross_tokenizer``,
+    builds the app and answers a chat request (the same text as the target alone)."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from conftest import make_tiny_tokenizer
+
+    draft_tokenizer = make_tiny_tokenizer(vocab_size=len(tiny_tokenizer) + 24)  # more merges: another vocabulary
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    for folder, tokenizer, seed in ((target_dir, tiny_tokenizer, 0), (draft_dir, draft_tokenizer, 3)):
+        make_tiny_model(vocab_size=len(tokenizer), seed=seed).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    served: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    assert main(["serve", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32"]) == 0
+    assert "using --proposer cross_tokenizer" in capsys.readouterr().err
+    assert served["port"] == 8000
+    with TestClient(served["app"]) as client:
+        card = client.get("/v1/models").json()["data"][0]
+        assert card["id"] == "target" and card["default_proposer"] == "cross_tokenizer"
+        assert "cross_tokenizer" in card["proposers"] and "draft_model" not in card["proposers"]
+        answers = {}
+        for mode in ("on", "off", None):  # None: the server's own (adaptive), as a client that asks nothing
+            body = {"model": "target", "messages": [{"role": "user", "content": "def add(a, b):"}],
+                    "max_tokens": 12, "temperature": 0, **({"speculation": mode} if mode else {})}  # fmt: skip
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers[mode] = response.json()
+        assert answers["on"]["speculative"]["proposer"] == "cross_tokenizer"
+        assert answers["on"]["speculative"]["draft_tokens"] > 0
+        texts = {mode: a["choices"][0]["message"]["content"] for mode, a in answers.items()}
+        assert texts["on"] == texts["off"] == texts[None]  # lossless: the target's own greedy text
+
+
 def test_the_k_of_a_request() -> None:
     """The request's k, else the server's -k, else the proposer's own default (with the server's
     options for its own proposer: prompt lookup first drafts 8)."""

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.errors import IncompatibleModelsError
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.base import DraftTokens, Proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.vocabulary import check_shared_vocabulary
 from specdecode.sampling import SamplingParams
 from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
@@ -141,12 +141,8 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         if draft is not None:
             proposer = DraftModelProposer(draft)
-        if proposer is not None and getattr(proposer, "vocab_size", self.target.vocab_size) != self.target.vocab_size:
-            raise IncompatibleModelsError(
-                f"draft vocabulary size {proposer.vocab_size} differs from the target's "  # type: ignore[attr-defined]
-                f"{self.target.vocab_size}; the draft must share the target's tokenizer (for a draft with "
-                "another tokenizer use CrossTokenizerProposer, which from_pretrained picks by itself)"
-            )
+        if proposer is not None:
+            check_shared_vocabulary(self.target, proposer)
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids(target, tokenizer)
 
@@ -182,11 +178,9 @@ class SpeculativeGenerator:
             ValueError: unknown dtype or proposer, or bad proposer options.
             IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
-        import sys
-
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
         from specdecode.proposers import PROPOSERS
-        from specdecode.proposers.cross_tokenizer import vocabularies_differ
+        from specdecode.proposers.vocabulary import draft_proposer
 
         parse_dtype(dtype)
         if proposer is not None and proposer not in PROPOSERS:
@@ -197,9 +191,9 @@ class SpeculativeGenerator:
         config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
         draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
-        if proposer == "draft_model" and draft_dir is not None and vocabularies_differ(target_dir, draft_dir):
-            print("specdecode: the draft has another vocabulary; using --proposer cross_tokenizer", file=sys.stderr)
-            spec = PROPOSERS["cross_tokenizer"]
+        chosen = draft_proposer(proposer, target_dir, draft_dir, announce="specdecode")
+        if chosen != proposer:  # a draft of another vocabulary: cross_tokenizer
+            spec = PROPOSERS[chosen]
             config = spec.make_config(**proposer_options)
         target_model = load_model(target_dir, "target", dtype, prepack_now=spec is not None)  # before the draft
         draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None

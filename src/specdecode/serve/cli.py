@@ -86,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdecode.models.default import DEFAULT_TARGET
     from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
     from specdecode.proposers import get_spec
+    from specdecode.proposers.vocabulary import draft_proposer
     from specdecode.serve.server import build_app
 
     parse_dtype(args.dtype)
@@ -95,13 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = DEFAULT_TARGET.name if args.target is None else target_dir.name
     settings = settings_from_args(args, name)
     draft_dir = resolve_model_dir(args.draft, "draft") if spec.needs_draft or args.draft else None
-    if args.proposer == "draft_model" and draft_dir is not None:
-        from specdecode.proposers.cross_tokenizer import vocabularies_differ
-
-        if vocabularies_differ(target_dir, draft_dir):  # as from_pretrained does
-            print("specdecode serve: the draft has another vocabulary; using --proposer cross_tokenizer")
-            args.proposer = "cross_tokenizer"
-            settings = settings_from_args(args, name)
+    proposer = draft_proposer(args.proposer, target_dir, draft_dir, announce="specdecode serve")  # as from_pretrained
+    if proposer != args.proposer:  # a draft of another vocabulary: its options checked before any weights load
+        args.proposer = proposer
+        settings = settings_from_args(args, name)
     target = load_model(target_dir, "target", args.dtype, prepack_now=True)  # batched and verified passes: many rows
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

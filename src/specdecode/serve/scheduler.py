@@ -44,8 +44,10 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.engine import eos_token_ids, needs_features
+from specdecode.errors import IncompatibleModelsError
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.sampling import SamplingParams
 from specdecode.schedule import acceptance_trials, expected_tokens
 from specdecode.serve.audit import AuditLog, iso
@@ -277,14 +279,19 @@ class Scheduler:
         server's ``--drafter`` for its default proposer, else the target's default folder)."""
         from specdecode.proposers import PROPOSERS
 
-        foreign = self.draft is not None and int(self.draft.get_output_embeddings().weight.shape[0]) != self.vocab_size
         return sorted(
             n
             for n, s in PROPOSERS.items()
-            if (not s.needs_draft or self.draft is not None)
-            and not (foreign and s.needs_draft and n != "cross_tokenizer")  # another vocabulary: re-tokenise
+            if (not s.needs_draft or (self.draft is not None and self._drafts_as_itself(n)))
             and (not s.needs_target_features or self._has_drafter(n))
         )
+
+    def _drafts_as_itself(self, name: str) -> bool:
+        """The loaded draft can serve proposer ``name`` (another vocabulary: only ``cross_tokenizer``)."""
+        try:
+            return draft_proposer(name, self.target, self.draft) == name
+        except IncompatibleModelsError:
+            return False
 
     def _has_drafter(self, name: str) -> bool:
         """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the rest)."""

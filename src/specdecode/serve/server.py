@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -10,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from transformers import PreTrainedModel
 
-from specdecode.errors import IncompatibleModelsError
+from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.serve.audit import AuditLog
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import CostModel
@@ -31,24 +32,23 @@ def build_app(
         target: the target causal LM.
         tokenizer: the target's tokenizer.
         settings: :class:`ServeSettings` (defaults if None).
-        draft: the draft model, for proposers that need one; must share the target's vocabulary.
+        draft: the draft model, for proposers that need one. One of another vocabulary drafts only
+            through ``cross_tokenizer``: a default proposer ``draft_model`` becomes ``cross_tokenizer``
+            (a notice on stderr), as in ``specdecode serve`` and ``from_pretrained``.
         cost: a measured cost model (None: measured at start-up in ``adaptive`` mode).
 
     Raises:
-        IncompatibleModelsError: the draft's vocabulary size differs from the target's.
+        IncompatibleModelsError: the default proposer needs a draft of the target's vocabulary and
+            cannot switch to ``cross_tokenizer`` (:func:`~specdecode.proposers.vocabulary.draft_proposer`).
         ValueError: bad settings (the message names the flag).
         OSError: the audit log cannot be opened.
     """
     from specdecode.serve.app import create_app
 
     settings = settings or ServeSettings()
-    if draft is not None:
-        sizes = [int(m.get_output_embeddings().weight.shape[0]) for m in (target, draft)]
-        if sizes[0] != sizes[1]:
-            raise IncompatibleModelsError(
-                f"draft vocabulary size {sizes[1]} differs from the target's {sizes[0]}; "
-                "the draft must share the target's tokenizer"
-            )
+    proposer = draft_proposer(settings.proposer, target, draft, announce="specdecode serve")
+    if proposer != settings.proposer:
+        settings = dataclasses.replace(settings, proposer=proposer)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None
     scheduler = Scheduler(target, tokenizer, settings, draft=draft, metrics=ServeMetrics(), audit=audit, cost=cost)
     return create_app(scheduler, settings, tokenizer), scheduler
