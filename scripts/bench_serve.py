@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency, >= 4)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
+    p.add_argument("--questions", help="Spec-Bench jsonl (default: the packaged dev half, specdecode/data/spec_bench)")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all but humaneval)")
     p.add_argument(
         "--server",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from specdecode.bench import metrics
 from specdecode.bench.methods import METHODS, BenchModels, BenchSettings, Method, MethodOutput, expand
-from specdecode.bench.prompts import load_prompts, load_spec_bench, select, take_per_group
+from specdecode.bench.prompts import GROUPS, load_prompts, load_spec_bench, select, take_per_group
 from specdecode.bench.report import ACCEPTANCE_PNG, SPEEDUP_PNG, load_results, markdown, render
 from specdecode.bench.runner import run_bench, save_results
 from specdecode.cli import main
@@ -306,10 +307,41 @@ def test_humaneval_prompts():
     assert prompts[0].turns[0].startswith("Complete the following Python function:\n```python\n")
 
 
-def test_default_questions_file_groups():
+def test_default_questions_file_groups(tmp_path, monkeypatch):
+    import specdecode
+    from specdecode.bench.prompts import default_questions_path
+
+    monkeypatch.chdir(tmp_path)  # nothing beside the working directory: the file ships in the package
+    path = default_questions_path()
+    assert path.is_file() and path.is_relative_to(Path(specdecode.__file__).resolve().parent)
+    assert (path.parent / "LICENSE").is_file() and "fd2c1cd" in (path.parent / "README.md").read_text()
+    assert len(load_spec_bench(path)) == 240
     prompts = load_prompts(None, "mt_bench,translation", 8)
     assert math.isclose(len(prompts), 16)
     assert len({p.category for p in prompts if p.group == "mt_bench"}) == 8  # round-robin over MT-bench categories
+
+
+def test_a_questions_file_means_its_questions(questions):
+    assert [p.question_id for p in load_prompts(questions, None, None)] == [1, 2]  # no HumanEval added
+    named = load_prompts(questions, "qa,humaneval", 1)
+    assert [p.group for p in named] == ["qa", "humaneval"]  # unless asked for
+    assert {p.group for p in load_prompts(None, None, 1)} == {*GROUPS}  # the default questions: every group
+
+
+def test_cli_without_questions_runs_the_packaged_prompts(models, tmp_path, capsys, monkeypatch):
+    import copy
+
+    target, target_dir = copy.deepcopy(models.target), tmp_path / "target"
+    target.config.max_position_embeddings = 8192  # rotary positions: Spec-Bench's prompts fit
+    target.save_pretrained(target_dir)
+    models.tokenizer.save_pretrained(target_dir)
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--target", str(target_dir), "--dtype", "float32", "--methods", "target", "--quick",
+            "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {r["group"] for r in saved["records"]} == {*GROUPS}  # the shortest prompt of every group
+    assert saved["settings"]["questions"] is None
 
 
 # ----------------------------------------------------------------------------- method specs

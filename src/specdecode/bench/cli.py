@@ -29,9 +29,13 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     b = subparsers.add_parser("bench", help="Spec-Bench-style benchmark: every method on the same prompts")
     add_model_args(b)
-    b.add_argument("--questions", help="Spec-Bench jsonl (default: ../shared/data/spec_bench/question_dev.jsonl)")
+    b.add_argument("--questions", help="Spec-Bench jsonl (default: the packaged dev half, 240 prompts, and HumanEval)")
     categories = "mt_bench, translation, summarization, qa, math_reasoning, rag, humaneval, or an MT-bench category"
-    b.add_argument("--categories", help=f"comma list of {categories} such as coding (default: all)")
+    b.add_argument(
+        "--categories",
+        help=f"comma list of {categories} such as coding (default: all; with --questions, the file's "
+        "Spec-Bench groups, humaneval only when named)",
+    )
     b.add_argument(
         "--methods",
         help="comma list of methods (default: all registered); a proposer method may carry options and a "

