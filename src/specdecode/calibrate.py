@@ -2,7 +2,7 @@
 
 For each candidate exit layer L the speculative engine decodes a few sample prompts greedily with
 :class:`~specdecode.proposers.early_exit.EarlyExitProposer` (k tokens per step), and the target
-alone decodes the same prompts. Per L it reports (definitions of DESIGN.md §4):
+alone decodes the same prompts. Per L it reports (definitions of docs/design.md §4):
 
 - acceptance rate alpha = accepted / drafted, and mean acceptance length = 1 + accepted / drafts;
 - draft cost ratio c = (draft seconds per drafted token) / (target seconds per verification pass),
@@ -127,7 +127,7 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
 # ---------------------------------------------------------------- measuring
 def predicted_speedup(alpha: float, k: int, c: float) -> float:
     """Walltime improvement of speculation with i.i.d. acceptance ``alpha``, k drafts, cost ratio c
-    (Leviathan et al. 2023, DESIGN.md §4): ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))``."""
+    (Leviathan et al. 2023, docs/design.md §4): ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))``."""
     tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
     return tokens / (k * c + 1.0)
 
@@ -320,7 +320,7 @@ def render_table(cal: Calibration) -> Any:
     )
     caption = (
         "alpha: acceptance rate; acc. len: mean acceptance length; c: draft cost ratio; pred.: predicted "
-        "speedup (DESIGN.md §4); same: outputs equal to the target alone's; * chosen. Wall-clock timings on "
+        "speedup (docs/design.md §4); same: outputs equal to the target alone's; * chosen. Wall-clock timings on "
         "this machine: noisy when it is shared or busy."
     )
     table = Table(title=title, caption=caption)

@@ -1,4 +1,4 @@
-"""The speculative decoding loop (DESIGN.md §2) and its user-facing API.
+"""The speculative decoding loop (docs/design.md §2) and its user-facing API.
 
 One request, batch 1::
 

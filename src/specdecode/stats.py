@@ -1,4 +1,4 @@
-"""Decoding statistics with the field's definitions (DESIGN.md §4).
+"""Decoding statistics with the field's definitions (docs/design.md §4).
 
 - acceptance rate = accepted tokens / draft tokens
 - mean acceptance length = 1 + accepted tokens / drafts (tokens gained per target pass that

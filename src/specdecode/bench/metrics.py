@@ -4,7 +4,7 @@ A record is one turn of one prompt decoded by one method (``results.json``, ``re
 ``question_id``, ``group``, ``turn``, ``repeat``, ``method``, ``settings``, ``new_tokens``,
 ``wall_time_s``, ``token_ids`` and ``stats`` (a :meth:`SpecStats.to_dict`, None for a peer).
 Every metric is computed per method and per category group, and over all groups (``"all"``);
-sums run over the records of that method and group. Terms as in DESIGN.md §4.
+sums run over the records of that method and group. Terms as in docs/design.md §4.
 
 - ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
 - ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).

@@ -1,4 +1,4 @@
-"""The one protocol every proposer speaks (DESIGN.md §2).
+"""The one protocol every proposer speaks (docs/design.md §2).
 
 The engine calls ``reset()`` once per request, then per step ``propose(...)`` and, after
 verification, ``observe(...)``. It never branches on a proposer's name.

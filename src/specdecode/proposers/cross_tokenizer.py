@@ -276,7 +276,7 @@ class CrossTokenizerProposer:
         config: :class:`CrossTokenizerConfig`.
         target_vocab_size: rows of the target's embedding; proposals stop before any id outside
             ``[0, target_vocab_size)`` (None: no limit).
-        cost_ratio: the cost of one draft pass relative to one target pass (``c``, DESIGN.md §4),
+        cost_ratio: the cost of one draft pass relative to one target pass (``c``, docs/design.md §4),
             used only for the "does not pay" warning; the registry's build passes the parameter
             count ratio. 0 (unknown) never warns.
 
