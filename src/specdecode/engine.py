@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.models.runner import ModelRunner
+from specdecode.models.backends import backend_of, make_runner
 from specdecode.proposers.base import DraftTokens, Proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.vocabulary import check_shared_vocabulary
@@ -79,10 +79,11 @@ class GenerationResult:
         }
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids from the generation config, the model config (or a backend model's own
+    ``eos_token_ids``, llama.cpp's EOS and EOT) and the tokenizer."""
+    ids: set[int] = set(getattr(model, "eos_token_ids", ()))
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
@@ -117,8 +118,10 @@ class SpeculativeGenerator:
     distribution exactly (modified rejection sampling, Leviathan et al. 2023).
 
     Args:
-        target: the target ``transformers`` causal LM.
-        draft: a draft causal LM with the target's vocabulary (becomes a
+        target: the target: a ``transformers`` causal LM (torch backend) or a
+            :class:`~specdecode.models.llamacpp.LlamaCppModel` (llamacpp backend); it runs through
+            its runner (:func:`~specdecode.models.backends.make_runner`).
+        draft: a draft model of the same backend with the target's vocabulary (becomes a
             :class:`~specdecode.proposers.draft_model.DraftModelProposer`), or None.
         tokenizer: the target's tokenizer; needed for string prompts, text and stop strings.
         proposer: any :class:`~specdecode.proposers.base.Proposer` (instead of ``draft``).
@@ -130,14 +133,15 @@ class SpeculativeGenerator:
 
     def __init__(
         self,
-        target: PreTrainedModel,
-        draft: PreTrainedModel | None = None,
+        target: PreTrainedModel | Any,
+        draft: PreTrainedModel | Any | None = None,
         tokenizer: Any = None,
         proposer: Proposer | None = None,
     ) -> None:
         if draft is not None and proposer is not None:
             raise ValueError("give either draft= or proposer=, not both")
-        self.target = ModelRunner(target)
+        self.target = make_runner(target)
+        self.backend = backend_of(target)
         self.tokenizer = tokenizer
         if draft is not None:
             proposer = DraftModelProposer(draft)
@@ -153,6 +157,9 @@ class SpeculativeGenerator:
         draft: str | Path | None = None,
         dtype: str | torch.dtype = "auto",
         proposer: str | None = "draft_model",
+        backend: str = "auto",
+        threads: int | None = None,
+        exact: bool = True,
         **proposer_options: Any,
     ) -> SpeculativeGenerator:
         """Load the target (and the draft, if the proposer needs one) from local paths.
@@ -169,15 +176,24 @@ class SpeculativeGenerator:
                 the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), or None for a target-only generator.
+            backend: ``"auto"``, ``"torch"`` or ``"llamacpp"``
+                (:func:`~specdecode.models.backends.resolve_backend`: ``auto`` runs ``.gguf`` files
+                and the default pair on llama.cpp on a CPU, Hugging Face folders and GPUs on torch).
+            threads: CPU threads of the llamacpp backend (None: every core this process may use).
+            exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
+                decoding on this backend (:mod:`specdecode.models.llamacpp`); False takes llama.cpp's
+                fastest kernels. Unused on torch (float32 is exact there).
             proposer_options: the proposer's own options, fields of its config dataclass
                 (e.g. ``max_ngram=4`` for prompt lookup, ``drafter=DIR`` for ``"medusa"`` /
                 ``"eagle"``); validated before any weights load.
 
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
-            ValueError: unknown dtype or proposer, or bad proposer options.
+            ValueError: unknown dtype, backend or proposer, bad proposer options, or a proposer the
+                backend cannot serve (the message names both).
             IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
+        from specdecode.models.backends import resolve_backend
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
         from specdecode.proposers import PROPOSERS
         from specdecode.proposers.vocabulary import draft_proposer
@@ -189,6 +205,12 @@ class SpeculativeGenerator:
         if spec is None and proposer_options:
             raise ValueError(f"proposer options {sorted(proposer_options)} given without a proposer")
         config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
+        if resolve_backend(backend, target) == "llamacpp":
+            auto = backend == "auto"  # auto: what llama.cpp cannot serve runs on torch, as before
+            if not (auto and spec is not None and "llamacpp" not in spec.backends):
+                made = cls._from_gguf(target, draft, spec, config, threads, exact, fallback=auto)
+                if made is not None:
+                    return made
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
         draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
         chosen = draft_proposer(proposer, target_dir, draft_dir, announce="specdecode")
@@ -200,9 +222,50 @@ class SpeculativeGenerator:
         built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
 
+    @classmethod
+    def _from_gguf(
+        cls,
+        target: str | Path | None,
+        draft: str | Path | None,
+        spec: Any,
+        config: Any,
+        threads: int | None,
+        exact: bool,
+        fallback: bool = False,
+    ) -> SpeculativeGenerator | None:
+        """:meth:`from_pretrained` on the llamacpp backend: GGUF files run as they are. With
+        ``fallback`` (backend ``auto``), None for a draft of another vocabulary (the cross_tokenizer
+        proposer runs on torch).
+
+        Raises:
+            ValueError: a proposer the backend cannot serve (the message names both).
+            ModelNotFoundError: a path is not a ``.gguf`` file or does not exist.
+        """
+        from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
+        from specdecode.models.llamacpp import LlamaCppOptions
+        from specdecode.proposers.vocabulary import check_shared_vocabulary
+
+        if spec is not None and "llamacpp" not in spec.backends:
+            raise ValueError(
+                f"proposer {spec.name!r} is not available on the llamacpp backend (it runs on "
+                f"{', '.join(spec.backends)}); use backend='torch' (--backend torch)"
+            )
+        options = LlamaCppOptions(threads=threads, exact=exact)
+        target_path = gguf_path(target, "target")  # every path checked before any weights load
+        draft_path = gguf_path(draft, "draft") if spec is not None and spec.needs_draft else None
+        target_model = load_llamacpp(target_path, "target", options)
+        draft_model = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
+        if draft_model is not None:
+            if fallback and draft_model.vocab_size != target_model.vocab_size:
+                return None
+            check_shared_vocabulary(target_model, draft_model)  # cross_tokenizer runs on torch only (yet)
+        built = spec.build(config, target_model, draft_model) if spec is not None else None
+        return cls(target_model, tokenizer=load_llamacpp_tokenizer(target_model), proposer=built)
+
     @property
     def dtype(self) -> str:
-        return str(self.target.model.dtype).removeprefix("torch.")
+        """The target's weights, for records: a torch dtype (``"bfloat16"``) or a GGUF file type."""
+        return self.target.dtype
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str | Sequence[int], raw: bool = False) -> torch.Tensor:

@@ -247,19 +247,69 @@ def ensure_packaged_model(model: PackagedGGUF) -> Path:
     out_dir = cache_dir() / "models" / f"{model.name}-bf16"
     if (out_dir / "config.json").exists():
         return out_dir
+    return convert_gguf(ensure_packaged_gguf(model), out_dir)
+
+
+def ensure_packaged_gguf(model: PackagedGGUF) -> Path:
+    """Return the SHA-256-checked GGUF file of ``model``: the installed file of a single-file
+    package (checked in place once; a stamp beside the joined files remembers its size and time),
+    else the parts joined once into ``<cache>/gguf/NAME-QUANT.gguf`` (checked while joining). The
+    llamacpp backend runs it as it is; the torch backend converts it once (:func:`ensure_packaged_model`).
+
+    Raises:
+        ValueError: a SHA-256 mismatch.
+        ModelNotFoundError: a package is not installed (the message says what to install).
+    """
     parts = part_paths(model)
     if model.file is not None:  # a single installed file: check it in place, no copy
+        stat = parts[0].stat()
+        stamp = cache_dir() / "gguf" / f"{model.name}-{model.quant}.sha256-checked"
+        mark = f"{model.sha256} {stat.st_size} {stat.st_mtime_ns}"
+        if stamp.exists() and stamp.read_text() == mark:
+            return parts[0]
         if (digest := _sha256(parts[0])) != model.sha256:
             raise ValueError(
                 f"SHA-256 mismatch for {parts[0].name}: expected {model.sha256}, got {digest}. Reinstall "
                 f"it with pip --force-reinstall --no-deps {model.requirements()[0]}."
             )
-        return convert_gguf(parts[0], out_dir)
-    gguf_path = join_parts(parts, cache_dir() / "gguf" / f"{model.name}-{model.quant}.gguf", model.sha256)
-    try:
-        convert_gguf(gguf_path, out_dir)
-    finally:
-        gguf_path.unlink(missing_ok=True)  # the safetensors copy replaces it; the parts stay installed
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(mark)
+        return parts[0]
+    gguf_path = cache_dir() / "gguf" / f"{model.name}-{model.quant}.gguf"
+    if gguf_path.is_file():
+        return gguf_path  # renamed into place only after its SHA-256 matched
+    return join_parts(parts, gguf_path, model.sha256)
+
+
+def packaged_gguf(spec: str | None, role: str) -> Path | None:
+    """The checked GGUF file of a default (``spec`` None: the ``role`` model) or named packaged
+    model (``"smollm2"``), else None (``spec`` is a path).
+
+    Raises:
+        ValueError, ModelNotFoundError: see :func:`ensure_packaged_gguf`.
+    """
+    if spec is None:
+        if role not in DEFAULT_MODELS:
+            raise ValueError(f"role must be one of {sorted(DEFAULT_MODELS)}, got {role!r}")
+        return ensure_packaged_gguf(DEFAULT_MODELS[role])
+    if spec in NAMED_MODELS and not Path(spec).expanduser().exists():
+        return ensure_packaged_gguf(NAMED_MODELS[spec])
+    return None
+
+
+def gguf_tokenizer_dir(gguf_path: Path) -> Path:
+    """A folder with the tokenizer (and chat template) of a GGUF file, read once by ``transformers``
+    and cached by the file's size and name: the llamacpp backend's tokenizer, with no weight conversion."""
+    from transformers import AutoTokenizer
+
+    stat = gguf_path.stat()
+    out_dir = cache_dir() / "tokenizers" / f"{gguf_path.stem}-{stat.st_size}"
+    if not (out_dir / "tokenizer_config.json").exists():
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
     return out_dir
 
 

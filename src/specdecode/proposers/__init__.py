@@ -41,6 +41,8 @@ class ProposerSpec:
             of :mod:`.base`; the engine and the server pass them).
         default_num_speculative_tokens: the k its proposers use when the caller gives none (the
             built proposer's class attribute of the same name; :meth:`default_k` for given options).
+        backends: the backends it runs on (:mod:`specdecode.models.backends`); a proposer that reads
+            the torch model's insides (early layers, features, another tokenizer's model) is ``("torch",)``.
     """
 
     name: str
@@ -50,6 +52,7 @@ class ProposerSpec:
     description: str = ""
     needs_target_features: bool = False
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    backends: tuple[str, ...] = ("torch", "llamacpp")
 
     def default_k(self, **options: Any) -> int:
         """The k a proposer built with ``options`` drafts when the caller gives none, without
@@ -157,10 +160,19 @@ register(
     )
 )
 register(ProposerSpec("suffix", SuffixConfig, _suffix, False, "suffix tree over the prompt and earlier outputs"))
-register(ProposerSpec("early_exit", EarlyExitConfig, _early_exit, False, "the target's first layers draft"))
 register(
     ProposerSpec(
-        "cross_tokenizer", CrossTokenizerConfig, _cross_tokenizer, True, "a draft model with another tokenizer"
+        "early_exit", EarlyExitConfig, _early_exit, False, "the target's first layers draft", backends=("torch",)
+    )
+)
+register(
+    ProposerSpec(
+        "cross_tokenizer",
+        CrossTokenizerConfig,
+        _cross_tokenizer,
+        True,
+        "a draft model with another tokenizer",
+        backends=("torch",),
     )
 )
 
@@ -173,6 +185,7 @@ register(
         "trained Medusa heads on the target (--drafter)",
         needs_target_features=True,
         default_num_speculative_tokens=MedusaProposer.default_num_speculative_tokens,
+        backends=("torch",),
     )
 )
 register(
@@ -184,6 +197,7 @@ register(
         "a trained EAGLE head on the target (--drafter)",
         needs_target_features=True,
         default_num_speculative_tokens=EagleProposer.default_num_speculative_tokens,
+        backends=("torch",),
     )
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -160,6 +161,11 @@ class DraftModelProposer:
     def __init__(self, model: PreTrainedModel, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()
         head_ids = self.config.head_ids()
+        self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
+        make_runner = getattr(model, "make_runner", None)
+        if make_runner is not None:  # a backend model (llama.cpp) that makes its own runner
+            self._init_backend_runner(model, head_ids)
+            return
         V = int(model.get_output_embeddings().weight.shape[0])
         if head_ids is not None and int(head_ids.max()) >= V:
             raise ValueError(
@@ -177,7 +183,24 @@ class DraftModelProposer:
             self.runner = ModelRunner(model, head_ids=head_ids, head_module=head_module)
         except ValueError as error:
             raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
-        self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
+
+    def _init_backend_runner(self, model: Any, head_ids: torch.Tensor | None) -> None:
+        """The draft on a backend that makes its own runner (llama.cpp): a GGUF file is quantized
+        already, and the reduced head is the torch backend's.
+
+        Raises:
+            ValueError: ``token_map`` or ``draft_quantization="int8"`` (the message names the backend).
+        """
+        backend = getattr(model, "backend", type(model).__name__)
+        if head_ids is not None:
+            raise ValueError(f"token_map: the {backend} backend drafts over the full vocabulary; use --backend torch")
+        if self.config.draft_quantization == "int8":
+            raise ValueError(
+                f"draft_quantization: 'int8' is the torch backend's; on {backend} the GGUF file's own "
+                "quantization runs (use 'auto' or 'none')"
+            )
+        self.quantization = "none"
+        self.runner = model.make_runner()
 
     @property
     def vocab_size(self) -> int:

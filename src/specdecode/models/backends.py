@@ -1,0 +1,112 @@
+"""Which backend runs a model, and loading a model on it (docs/design.md §2b).
+
+Two backends implement the runner contract: ``torch`` (Hugging Face ``transformers`` models,
+:class:`~specdecode.models.runner.ModelRunner`) and ``llamacpp`` (GGUF files on llama.cpp's
+kernels, :class:`~specdecode.models.llamacpp.LlamaCppRunner`). A loaded model of either kind
+becomes a runner through :func:`make_runner`; nothing above that branches on the backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.errors import ModelNotFoundError
+
+BACKENDS = ("auto", "torch", "llamacpp")
+"""What ``--backend`` accepts."""
+
+
+def llamacpp_available() -> bool:
+    """Whether llama-cpp-python is installed (without loading its native library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def resolve_backend(backend: str, target: str | Path | None = None) -> str:
+    """The backend that runs ``target`` (None: the default target) for ``backend``.
+
+    ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
+    without a CUDA GPU (where llama-cpp-python is installed); ``torch`` for Hugging Face folders and
+    on a CUDA GPU.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available() or not llamacpp_available():
+        return "torch"
+    if target is None:
+        return "llamacpp"
+    from specdecode.models.default import NAMED_MODELS
+
+    path = Path(target).expanduser()
+    if str(target) in NAMED_MODELS and not path.exists():
+        return "llamacpp"
+    return "llamacpp" if path.suffix == ".gguf" else "torch"
+
+
+def gguf_path(spec: str | Path | None, role: str) -> Path:
+    """The GGUF file for ``spec`` (a ``.gguf`` path, a packaged name such as ``"smollm2"``, or None
+    for the default ``role`` model), SHA-256-checked where packaged.
+
+    Raises:
+        ModelNotFoundError: no such file, not a ``.gguf`` file (a Hugging Face folder runs on the
+            torch backend), or a packaged model that is not installed.
+    """
+    from specdecode.models.default import packaged_gguf
+
+    packaged = packaged_gguf(None if spec is None else str(spec), role)
+    if packaged is not None:
+        return packaged
+    path = Path(str(spec)).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"--{role}: no such file or folder: {path}")
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ModelNotFoundError(
+            f"--{role}: the llamacpp backend runs .gguf files; {path} is not one (use --backend torch)"
+        )
+    return path
+
+
+def load_llamacpp(spec: str | Path | None, role: str, options: Any = None) -> Any:
+    """A :class:`~specdecode.models.llamacpp.LlamaCppModel` of ``spec`` (see :func:`gguf_path`),
+    with :class:`~specdecode.models.llamacpp.LlamaCppOptions` ``options``.
+
+    Raises:
+        ModelNotFoundError: see :func:`gguf_path`.
+        ImportError: llama-cpp-python is not installed.
+    """
+    from specdecode.models.llamacpp import LlamaCppModel
+
+    return LlamaCppModel(gguf_path(spec, role), options)
+
+
+def load_llamacpp_tokenizer(model: Any) -> Any:
+    """The tokenizer (with chat template) of a llama.cpp model's GGUF file, as ``transformers`` reads it."""
+    from transformers import AutoTokenizer
+
+    from specdecode.models.default import gguf_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(gguf_tokenizer_dir(model.path))
+
+
+def make_runner(model: Any) -> Any:
+    """The runner of a loaded model: ``model.make_runner()`` for a backend model that makes its own
+    (llama.cpp), else a :class:`~specdecode.models.runner.ModelRunner` over a ``transformers`` model."""
+    make = getattr(model, "make_runner", None)
+    if make is not None:
+        return make()
+    from specdecode.models.runner import ModelRunner
+
+    return ModelRunner(model)
+
+
+def backend_of(model: Any) -> str:
+    """``"llamacpp"`` or ``"torch"``: the backend a loaded model runs on (its ``backend`` attribute)."""
+    return str(getattr(model, "backend", "torch"))

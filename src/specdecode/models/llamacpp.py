@@ -1,0 +1,341 @@
+"""The ``llamacpp`` backend: GGUF models on llama.cpp's kernels (llama-cpp-python's C API).
+
+A :class:`LlamaCppModel` loads a GGUF file once; each :class:`LlamaCppRunner` made from it is a
+llama.cpp context with its own KV cache, and implements the runner contract the engine and the
+proposers use (docs/design.md §2b, :class:`~specdecode.models.runner.ModelRunner` is the torch
+one): ``forward(new_ids, num_logits)`` -> float32 logits ``[num_logits, V]``, ``truncate(n)``
+(``llama_memory_seq_rm``), ``reset``, ``length``, ``vocab_size``, ``max_length``.
+
+Batch invariance ("exact" mode). Speculative decoding verifies k + 1 tokens in one pass; plain
+decoding runs one token per pass. Greedy output is the same text only when the pass over k + 1
+tokens gives every row the logits a one-token pass would, bit for bit. llama.cpp's CPU kernels do
+that for short passes only: measured with llamafile's sgemm not built in (``-DGGML_LLAMAFILE=OFF``,
+as ``scripts/setup.sh`` builds it), passes of up to 7 tokens are bit-identical to one-token passes
+when the weights are not repacked (``use_extra_bufts = False``), and up to 3 when they are (the
+repacked Q4_K kernels take another summation order for passes of 4+ rows; the default, and faster).
+So ``exact=True`` splits every verification pass (one that returns the logits of more than one
+position) into chunks of at most :attr:`LlamaCppOptions.invariant_tokens` tokens (:data:`INVARIANT_TOKENS`
+for the loading chosen; ``tests/test_llamacpp.py`` checks it on the real target), and greedy output
+equals plain decoding on this backend by construction. ``exact=False`` verifies in one pass: the
+output then equals plain decoding up to near-ties that rounding flips. Sampling stays exact in
+distribution in both modes (verification is ours, over the returned logits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+INVARIANT_TOKENS = {False: 7, True: 3}
+"""Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
+kernels built without llamafile, by whether the weights are repacked (docs/llamacpp.md,
+``scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
+
+
+def _lib() -> Any:
+    """llama-cpp-python's low-level module, imported on first use (it loads the native library).
+
+    Raises:
+        ImportError: llama-cpp-python is not installed (the message says how to install it).
+    """
+    try:
+        import llama_cpp
+        from llama_cpp._logger import set_verbose
+    except ImportError as error:  # pragma: no cover - the set-up installs it
+        raise ImportError(
+            "the llamacpp backend needs llama-cpp-python: CMAKE_ARGS=-DGGML_LLAMAFILE=OFF "
+            "pip install llama-cpp-python==0.3.36 (scripts/setup.sh does it)"
+        ) from error
+    if not getattr(_lib, "_ready", False):
+        set_verbose(False)
+        llama_cpp.llama_backend_init()
+        _lib._ready = True  # type: ignore[attr-defined]
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """The CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """How a GGUF model runs on llama.cpp.
+
+    Attributes:
+        threads: CPU threads for every pass (None: the cores this process may use).
+        n_ctx: KV-cache size of each runner in tokens (prompt + new tokens + drafts), at most the
+            model's training context.
+        n_batch: most tokens one ``llama_decode`` call takes (a longer prefill is split).
+        exact: batch-invariant verification (see the module docstring): verification passes split
+            into chunks of at most ``invariant_tokens``.
+        repack: let llama.cpp repack the weights for its fastest CPU kernels (``use_extra_bufts``).
+        invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for ``repack``.
+        gpu_layers: layers offloaded to a GPU where llama.cpp was built with one (-1: all); 0 on a
+            CPU-only build.
+
+    Raises:
+        ValueError: a value out of range (named in the message).
+    """
+
+    threads: int | None = None
+    n_ctx: int = 8192
+    n_batch: int = 512
+    exact: bool = True
+    repack: bool = True
+    invariant_tokens: int | None = None
+    gpu_layers: int = -1
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(f"threads must be None or an integer >= 1, got {self.threads!r}")
+        for name in ("n_ctx", "n_batch", "invariant_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "invariant_tokens":
+                object.__setattr__(self, name, INVARIANT_TOKENS[bool(self.repack)])
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads or default_threads()
+
+
+class LlamaCppModel:
+    """A GGUF model loaded once on llama.cpp; its runners (contexts, KV caches) share the weights.
+
+    Args:
+        path: a ``.gguf`` file.
+        options: :class:`LlamaCppOptions`.
+
+    Attributes:
+        path: the GGUF file.
+        vocab_size: rows of the logits (``llama_vocab_n_tokens``).
+        hidden_size: ``n_embd``.
+        eos_token_ids: end-of-generation tokens (llama.cpp's EOS and EOT).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: llama.cpp cannot load it.
+    """
+
+    backend = "llamacpp"
+
+    def __init__(self, path: str | Path, options: LlamaCppOptions | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no such GGUF file: {self.path}")
+        self.options = options or LlamaCppOptions()
+        lib = _lib()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = (
+            (self.options.gpu_layers if self.options.gpu_layers >= 0 else 999)
+            if lib.llama_supports_gpu_offload()
+            else 0
+        )
+        params.use_extra_bufts = bool(self.options.repack)  # repacked weights: faster, invariant to 3 rows only
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {self.path}")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.hidden_size = int(lib.llama_model_n_embd(self._model))
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(self._model))
+        eos = {int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))}
+        self.eos_token_ids = frozenset(i for i in eos if i >= 0)
+        self.weight_bytes = int(lib.llama_model_size(self._model))
+        self.n_params = int(lib.llama_model_n_params(self._model))
+
+    @property
+    def dtype(self) -> str:
+        """What the weights are, for records: ``"gguf"`` and the file's quantization (e.g.
+        ``"gguf-Q4_K_M"`` from the name's last dash-separated part, else ``"gguf"``)."""
+        quant = self.path.stem.rsplit("-", 1)[-1].rsplit(".", 1)[-1]
+        return f"gguf-{quant}" if quant[:1] in "QFBI" and any(c.isdigit() for c in quant) else "gguf"
+
+    def make_runner(self, n_ctx: int | None = None) -> LlamaCppRunner:
+        """A new context on these weights, with its own KV cache (see :class:`LlamaCppRunner`)."""
+        return LlamaCppRunner(self, n_ctx)
+
+    def __del__(self) -> None:
+        model = getattr(self, "_model", None)
+        if model:
+            try:
+                _lib().llama_model_free(model)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+            self._model = None
+
+
+class LlamaCppRunner:
+    """One sequence on a :class:`LlamaCppModel` (batch 1), its KV cache rolled back by truncation.
+
+    The runner contract of :class:`~specdecode.models.runner.ModelRunner`: the cache holds the
+    first :attr:`length` tokens; :meth:`forward` appends, :meth:`truncate` drops the newest
+    (``llama_memory_seq_rm``), never re-running a prefill.
+
+    Args:
+        model: the loaded model.
+        n_ctx: KV-cache size (default: the model's options).
+
+    Raises:
+        ValueError: llama.cpp cannot create the context.
+    """
+
+    head_ids = None  # the full vocabulary (a reduced head is the torch backend's)
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int | None = None) -> None:
+        lib = _lib()
+        self.model = model
+        options = model.options
+        params = lib.llama_context_default_params()
+        params.n_ctx = min(n_ctx or options.n_ctx, model.n_ctx_train)
+        params.n_batch = params.n_ubatch = options.n_batch
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = options.n_threads
+        params.no_perf = True
+        self._ctx = lib.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise ValueError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path}")
+        self._n_ctx = int(lib.llama_n_ctx(self._ctx))
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
+        self._lib = lib
+        self.length = 0
+        self.passes = 0  # llama_decode calls made (a split verification pass counts each chunk)
+
+    # ------------------------------------------------------------------ the contract
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        """Tokens the KV cache holds (the context size this runner was made with)."""
+        return self._n_ctx
+
+    @property
+    def dtype(self) -> str:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # logits come back in host memory, whatever llama.cpp ran on
+
+    def reset(self) -> None:
+        """Forget the whole sequence."""
+        self._lib.llama_memory_clear(self._memory, True)
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens (rollback).
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the cached sequence.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate length must be in [0, {self.length}], got {length}")
+        if length < self.length:
+            if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):  # pragma: no cover
+                raise RuntimeError(f"llama.cpp could not truncate the cache to {length} tokens")
+            self.length = length
+
+    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False) -> torch.Tensor:
+        """Append ``input_ids`` to the sequence and return the logits of its last positions.
+
+        Args:
+            input_ids: int64 ``[T]``, T >= 1, the tokens after the :attr:`length` cached ones.
+            num_logits: how many of the last positions to score (1 <= num_logits <= T).
+            return_hidden: not supported on this backend yet (features come from the torch backend).
+
+        Returns:
+            float32 ``[num_logits, V]``; row i scores the token after ``input_ids[T - num_logits + i]``.
+
+        Raises:
+            ValueError: ``num_logits`` out of range, the sequence would not fit in the context,
+                or ``return_hidden`` (the message names the backend).
+            RuntimeError: ``llama_decode`` failed.
+        """
+        if return_hidden:
+            raise ValueError(
+                "return_hidden: the llamacpp backend does not return hidden states yet; use --backend torch"
+            )
+        ids = [int(i) for i in input_ids.reshape(-1).tolist()]
+        T = len(ids)
+        if not 1 <= num_logits <= T:
+            raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
+        if self.length + T > self._n_ctx:
+            raise ValueError(f"sequence of {self.length + T} tokens exceeds the context of {self._n_ctx} tokens")
+        options = self.model.options
+        chunk = options.n_batch
+        if options.exact and num_logits > 1:  # a verification pass: batch-invariant chunks
+            chunk = min(chunk, options.invariant_tokens)
+        rows: list[torch.Tensor] = []
+        first_scored = T - num_logits
+        for start in range(0, T, chunk):
+            part = ids[start : start + chunk]
+            scored = [start + i >= first_scored for i in range(len(part))]
+            out = self._decode(part, scored)
+            if out is not None:
+                rows.append(out)
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _decode(self, ids: list[int], scored: list[bool]) -> torch.Tensor | None:
+        """One ``llama_decode`` of ``ids`` at the next positions; float32 logits ``[sum(scored), V]``
+        of the scored tokens (None if none)."""
+        batch, lib = self._batch, self._lib
+        n = len(ids)
+        batch.n_tokens = n
+        for i, token in enumerate(ids):
+            batch.token[i] = token
+            batch.pos[i] = self.length + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = scored[i]
+        status = lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} at length {self.length} (+{n} tokens)")
+        self.length += n
+        self.passes += 1
+        m = sum(scored)
+        if m == 0:
+            return None
+        V = self.vocab_size
+        pointer = lib.llama_get_logits(self._ctx)  # the scored rows, contiguous, in batch order
+        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(m, V))
+        return torch.from_numpy(array.copy())  # (m, V) float32: a copy, the next decode overwrites it
+
+    def forward_masked(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Token trees are not served by this backend yet.
+
+        Raises:
+            ValueError: always (names the backend and the alternative).
+        """
+        raise ValueError("token trees: the llamacpp backend drafts chains only for now; use --backend torch for --tree")
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """See :meth:`forward_masked`."""
+        raise ValueError("token trees: the llamacpp backend drafts chains only for now; use --backend torch for --tree")
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        try:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+        self._lib = None
