@@ -36,6 +36,36 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """``--backend --threads --exact/--no-exact`` (:mod:`specdecode.models.backends`)."""
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "llamacpp"],
+        help="auto (default): llama.cpp for .gguf files and the default pair on a CPU, torch for HF folders "
+        "and on a GPU; llamacpp: GGUF files on llama.cpp's kernels; torch: transformers",
+    )
+    p.add_argument("--threads", type=int, default=None, help="llamacpp: CPU threads (default: every core)")
+    p.add_argument(
+        "--exact",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="llamacpp: batch-invariant verification, greedy output equal to plain decoding (default); "
+        "--no-exact verifies in one pass, faster, equal up to near-ties",
+    )
+
+
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``backend=, threads=, exact=`` for :meth:`SpeculativeGenerator.from_pretrained`.
+
+    Raises:
+        ValueError: ``--threads`` below 1.
+    """
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    return {"backend": args.backend, "threads": args.threads, "exact": args.exact}
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -163,6 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
+        **backend_options(args),
         proposer=None if args.no_speculation else args.proposer,
         **({} if args.no_speculation else proposer_options(args)),
     )
@@ -194,9 +225,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from specdecode.models.default import ensure_default_model, ensure_named_model
+    from specdecode.models.default import ensure_default_model, ensure_named_model, gguf_tokenizer_dir, packaged_gguf
 
     for name in args.model or ["target", "draft"]:
+        role = name if name in ("target", "draft") else "draft"
+        gguf = packaged_gguf(None if name in ("target", "draft") else name, role)  # the llamacpp backend's file
+        print(f"{name}: {gguf} (tokenizer {gguf_tokenizer_dir(gguf)})")
         print(f"{name}: {ensure_default_model(name) if name in ('target', 'draft') else ensure_named_model(name)}")
     return 0
 
@@ -208,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, with statistics")
     g.add_argument("prompt")
     add_model_args(g)
+    add_backend_args(g)
     add_sampling_args(g, max_new_tokens=256)
     add_proposer_args(g)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")

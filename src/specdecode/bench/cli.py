@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli import add_model_args
+from specdecode.cli import add_backend_args, add_model_args
+from specdecode.errors import SpecDecodeError
 
 QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -29,6 +30,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     b = subparsers.add_parser("bench", help="Spec-Bench-style benchmark: every method on the same prompts")
     add_model_args(b)
+    add_backend_args(b)
     b.add_argument("--questions", help="Spec-Bench jsonl (default: the packaged dev half, 240 prompts, and HumanEval)")
     categories = "mt_bench, translation, summarization, qa, math_reasoning, rag, humaneval, or an MT-bench category"
     b.add_argument(
@@ -98,9 +100,23 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {key: defaults[key] if value is None else value for key, value in given.items()}
 
 
-def _load_models(args: argparse.Namespace, need_draft: bool) -> Any:
+def _load_models(args: argparse.Namespace, need_draft: bool, backend: str) -> Any:
     from specdecode.bench.methods import BenchModels
+    from specdecode.models.backends import gguf_path
     from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
+
+    try:  # the llama.cpp peers run the target's GGUF file, on either backend
+        gguf = gguf_path(args.target, "target")
+    except (OSError, ValueError, SpecDecodeError):
+        gguf = None
+    if backend == "llamacpp":
+        from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
+        from specdecode.models.llamacpp import LlamaCppOptions
+
+        options = LlamaCppOptions(threads=args.threads, exact=args.exact)
+        target = load_llamacpp(args.target, "target", options)
+        draft = load_llamacpp(args.draft, "draft", options) if need_draft else None
+        return BenchModels(target, draft, load_llamacpp_tokenizer(target), target.path, args.threads)
 
     target_dir = resolve_model_dir(args.target, "target")  # every path checked before any weights load
     draft_dir = resolve_model_dir(args.draft, "draft") if need_draft else None
@@ -108,12 +124,13 @@ def _load_models(args: argparse.Namespace, need_draft: bool) -> Any:
     # peers), which would otherwise leave the target's verification passes without them
     target = load_model(target_dir, "target", args.dtype, prepack_now=True)
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
-    return BenchModels(target, draft, load_tokenizer(target_dir))
+    return BenchModels(target, draft, load_tokenizer(target_dir), gguf, args.threads)
 
 
-def default_methods(target: str | None) -> list[str]:
-    """Every registered method, less the trained-drafter proposers (``medusa``, ``eagle``) whose
-    drafter for ``target`` has not been trained (``specdecode train-drafter``; a note on stderr)."""
+def default_methods(target: str | None, backend: str = "torch") -> list[str]:
+    """Every registered method that runs on ``backend``, less the trained-drafter proposers
+    (``medusa``, ``eagle``) whose drafter for ``target`` has not been trained (``specdecode
+    train-drafter``; a note on stderr)."""
     from specdecode.bench.methods import METHODS
     from specdecode.drafters import find_drafter_dir
     from specdecode.drafters.heads import CONFIG_FILE
@@ -122,6 +139,8 @@ def default_methods(target: str | None) -> list[str]:
 
     names = []
     for name in METHODS:
+        if backend not in METHODS[name].backends:
+            continue
         spec = PROPOSERS.get(name)
         if spec is not None and spec.needs_target_features:
             folder = find_drafter_dir(name, resolve_model_dir(target, "target"))
@@ -155,16 +174,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
     sweep = args.num_speculative_tokens
     ks: list[int | None] = [None] if sweep is None else list(parse_ks(sweep))  # None: each proposer's default
-    names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target)
+    from specdecode.models.backends import resolve_backend
+
+    backend = resolve_backend(args.backend, args.target)
+    names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target, backend)
     variants = expand(names, ks)
+    for variant in variants:
+        if backend not in variant.method.backends:
+            raise ValueError(
+                f"--methods: {variant.method.name!r} does not run on the {backend} backend (it runs on "
+                f"{', '.join(variant.method.backends)}); use --backend {variant.method.backends[0]}"
+            )
     check_baseline(args.baseline, [v.label for v in variants], "--baseline")  # before any model loads
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
-    models = _load_models(args, need_draft=any(v.method.needs_draft for v in variants))
+    models = _load_models(args, any(v.method.needs_draft for v in variants), backend)
     results = run_bench(models, prompts, variants, settings, args.repeats, not args.no_warmup, not args.no_progress)
     results["settings"] = {
         **{key: value for key, value in vars(args).items() if key not in ("func", "command")},
         **opts,
         "num_speculative_tokens": ks,
+        "backend": backend,
     }
     results["environment"] = environment()
     out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))

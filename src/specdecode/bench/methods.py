@@ -7,9 +7,12 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
 - ``target``: our engine with ``speculative=False``, the baseline every speedup divides.
 - one method per proposer of the library (:data:`specdecode.proposers.PROPOSERS`: ``draft_model``,
   ``prompt_lookup``, ...), registered automatically; :func:`register_proposer` adds others.
-- peers on the same model objects: ``hf_generate`` (``model.generate`` alone), ``hf_assisted``
-  (``assistant_model=draft``, Hugging Face's own draft-length defaults) and ``hf_prompt_lookup``
-  (``prompt_lookup_num_tokens=k``).
+- peers on the same model objects (torch backend): ``hf_generate`` (``model.generate`` alone),
+  ``hf_assisted`` (``assistant_model=draft``, Hugging Face's own draft-length defaults) and
+  ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=k``).
+- peers on the target's GGUF file (any backend; the same threads): ``llamacpp`` (llama-cpp-python's
+  own plain generation, ``Llama.generate``) and ``llamacpp_prompt_lookup`` (the same with its
+  ``LlamaPromptLookupDecoding``, ``num_pred_tokens=k``, its default 10 without a sweep).
 
 Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``;
 without a sweep, one column each, named ``name``, at the proposer's default k
@@ -85,14 +88,19 @@ class BenchModels:
     """The loaded models, shared by our engine and the peers (loaded once).
 
     Attributes:
-        target: the target causal LM.
-        draft: the draft causal LM, or None when no selected method needs one.
+        target: the target: a causal LM (torch backend) or a llama.cpp model (llamacpp backend).
+        draft: the draft, of the same backend, or None when no selected method needs one.
         tokenizer: the target's tokenizer (with a chat template).
+        gguf: the target's GGUF file, for the llama.cpp peers (None: they are skipped).
+        threads: CPU threads of the llama.cpp peers (None: every core).
     """
 
-    target: PreTrainedModel
-    draft: PreTrainedModel | None
+    target: PreTrainedModel | Any
+    draft: PreTrainedModel | Any | None
     tokenizer: Any
+    gguf: Any = None
+    threads: int | None = None
+    _llamas: dict[Any, Any] = field(default_factory=dict, repr=False)
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
     _drafts: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)
     _targets: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
@@ -170,6 +178,34 @@ class BenchModels:
                 self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
         return self._targets[dtype]
 
+    def llama(self, num_pred_tokens: int | None = None) -> Any:
+        """llama-cpp-python's ``Llama`` on :attr:`gguf` (with ``LlamaPromptLookupDecoding`` of
+        ``num_pred_tokens`` when given), loaded once each, with :attr:`threads`.
+
+        Raises:
+            ValueError: no GGUF file for the target.
+        """
+        if self.gguf is None:
+            raise ValueError("the llama.cpp peers need the target as a GGUF file (--target FILE.gguf or the default)")
+        if num_pred_tokens not in self._llamas:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            from specdecode.models.llamacpp import default_threads
+
+            threads = self.threads or default_threads()
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens) if num_pred_tokens else None
+            self._llamas[num_pred_tokens] = Llama(
+                str(self.gguf),
+                n_ctx=8192,
+                n_batch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                draft_model=draft,
+                verbose=False,
+            )
+        return self._llamas[num_pred_tokens]
+
     @property
     def eos_token_ids(self) -> list[int]:
         """The tokens that end generation in our engine (generation config, config, tokenizer)."""
@@ -211,6 +247,7 @@ class Method:
         peer: not our engine: an exception marks it skipped instead of stopping the benchmark.
         needs_draft: needs the draft model loaded.
         fixed_k: the k a chain method fixed with its ``k=`` option (it then takes none from a sweep).
+        backends: the backends (``--backend``) it runs on.
     """
 
     name: str
@@ -219,6 +256,7 @@ class Method:
     peer: bool = False
     needs_draft: bool = False
     fixed_k: int | None = None
+    backends: tuple[str, ...] = ("torch", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -277,10 +315,15 @@ def _engine_run(
     return run
 
 
-def register_proposer(name: str, factory: Callable[[BenchModels], Proposer], needs_draft: bool = False) -> Method:
+def register_proposer(
+    name: str,
+    factory: Callable[[BenchModels], Proposer],
+    needs_draft: bool = False,
+    backends: tuple[str, ...] = ("torch", "llamacpp"),
+) -> Method:
     """Benchmark a proposer: ``factory(models)`` builds it; it becomes the method ``name`` (with k)."""
     PROPOSERS[name] = factory
-    return register_method(Method(name, _engine_run(name), uses_k=True, needs_draft=needs_draft))
+    return register_method(Method(name, _engine_run(name), uses_k=True, needs_draft=needs_draft, backends=backends))
 
 
 def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, uses_k: bool = False) -> RunFn:
@@ -307,6 +350,32 @@ def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, u
     return run
 
 
+def _llama_run(prompt_lookup: bool) -> RunFn:
+    """A peer: llama-cpp-python's ``Llama.generate`` on the target's GGUF file, from an empty cache
+    (``reset()`` first: no prefix reuse between prompts or repeats), until EOS or max_new_tokens;
+    greedy is ``temp=0``, sampling ``temp=T`` with top-k, top-p and min-p off."""
+
+    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+        pred = (k or 10) if prompt_lookup else None  # 10: LlamaPromptLookupDecoding's default
+        llm = models.llama(pred)
+        eos = set(models.eos_token_ids)
+        if not settings.greedy:
+            llm.set_seed(settings.seed)
+        tic = time.perf_counter()
+        llm.reset()
+        new_ids: list[int] = []
+        for token in llm.generate(
+            prompt_ids, temp=settings.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0
+        ):
+            new_ids.append(int(token))
+            if token in eos or len(new_ids) >= settings.max_new_tokens:
+                break
+        wall = time.perf_counter() - tic
+        return MethodOutput(new_ids, wall, num_speculative_tokens=pred)
+
+    return run
+
+
 register_method(Method("target", _engine_run(None)))
 for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with its default options
     register_proposer(
@@ -315,14 +384,28 @@ for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with 
             spec.make_config(), models.target, models.require_draft() if spec.needs_draft else None
         ),
         needs_draft=_spec.needs_draft,
+        backends=_spec.backends,
     )
-register_method(Method("hf_generate", _hf_run(), peer=True))
+register_method(Method("llamacpp", _llama_run(False), peer=True))
+register_method(Method("llamacpp_prompt_lookup", _llama_run(True), uses_k=True, peer=True))
+TORCH = ("torch",)
+register_method(Method("hf_generate", _hf_run(), peer=True, backends=TORCH))
 register_method(
-    Method("hf_assisted", _hf_run(lambda m, k: {"assistant_model": m.require_draft()}), peer=True, needs_draft=True)
+    Method(
+        "hf_assisted",
+        _hf_run(lambda m, k: {"assistant_model": m.require_draft()}),
+        peer=True,
+        needs_draft=True,
+        backends=TORCH,
+    )
 )
 register_method(
     Method(
-        "hf_prompt_lookup", _hf_run(lambda m, k: {"prompt_lookup_num_tokens": k}, uses_k=True), uses_k=True, peer=True
+        "hf_prompt_lookup",
+        _hf_run(lambda m, k: {"prompt_lookup_num_tokens": k}, uses_k=True),
+        uses_k=True,
+        peer=True,
+        backends=TORCH,
     )
 )
 
@@ -433,7 +516,14 @@ def parse_method(text: str) -> Method:
         PROPOSERS[key] = PROPOSERS[name]
     needs_draft = base.needs_draft and draft is None
     run = _engine_run(key, schedule, tree, fixed_k=fixed_k)
-    return Method(label, run, uses_k=tree is None and fixed_k is None, needs_draft=needs_draft, fixed_k=fixed_k)
+    return Method(
+        label,
+        run,
+        uses_k=tree is None and fixed_k is None,
+        needs_draft=needs_draft,
+        fixed_k=fixed_k,
+        backends=LIBRARY[name].backends if name in LIBRARY else base.backends,
+    )
 
 
 def _target_in(text: str, options: str) -> Method:
@@ -448,7 +538,7 @@ def _target_in(text: str, options: str) -> Method:
     key, sep, dtype = options.partition("=")
     if key != "dtype" or not sep or dtype not in DTYPE_CHOICES:
         raise ValueError(f"method {text!r}: target takes one option, dtype= one of {list(DTYPE_CHOICES)}")
-    return Method(text, _engine_run(None, dtype=dtype))
+    return Method(text, _engine_run(None, dtype=dtype), backends=("torch",))
 
 
 def _hf_assisted_with(text: str, options: str) -> Method:
@@ -473,7 +563,7 @@ def _hf_assisted_with(text: str, options: str) -> Method:
             kwargs.update(tokenizer=models.tokenizer, assistant_tokenizer=load_tokenizer(draft_dir))
         return kwargs
 
-    return Method(text, _hf_run(extra), peer=True)
+    return Method(text, _hf_run(extra), peer=True, backends=("torch",))
 
 
 def expand(names: Sequence[str], ks: Sequence[int | None]) -> list[Variant]:

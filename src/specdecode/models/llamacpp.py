@@ -79,6 +79,9 @@ class LlamaCppOptions:
         exact: batch-invariant verification (see the module docstring): verification passes split
             into chunks of at most ``invariant_tokens``.
         repack: let llama.cpp repack the weights for its fastest CPU kernels (``use_extra_bufts``).
+        flash_attn: llama.cpp's flash attention; None: off when ``exact`` (its CPU kernel sums a
+            one-token pass over 512+ cached tokens in per-thread chunks, and 8+ query rows in tiles,
+            so passes of different sizes round differently), llama.cpp's own choice otherwise.
         invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for ``repack``.
         gpu_layers: layers offloaded to a GPU where llama.cpp was built with one (-1: all); 0 on a
             CPU-only build.
@@ -92,6 +95,7 @@ class LlamaCppOptions:
     n_batch: int = 512
     exact: bool = True
     repack: bool = True
+    flash_attn: bool | None = None
     invariant_tokens: int | None = None
     gpu_layers: int = -1
 
@@ -205,6 +209,12 @@ class LlamaCppRunner:
         params.n_batch = params.n_ubatch = options.n_batch
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = options.n_threads
+        flash = options.flash_attn if options.flash_attn is not None else (False if options.exact else None)
+        params.flash_attn_type = {
+            None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        }[flash]
         params.no_perf = True
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:

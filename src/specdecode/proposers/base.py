@@ -123,7 +123,7 @@ def _attributes(value: object) -> list[object]:
     return found
 
 
-def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = None, max_depth: int = 6) -> int:
+def proposer_weight_bytes(proposer: object, target: object | None = None, max_depth: int = 6) -> int:
     """Bytes of the weights a proposer holds beyond the target's: its memory cost next to the target.
 
     Counted: the parameters and buffers of every ``torch.nn.Module`` reachable from the proposer's
@@ -133,7 +133,9 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
     specdecode's own objects keep inside such a module (e.g. a drafter's copy of the target's
     LM-head rows, or the prepacked oneDNN copy of a float32 layer's weight that
     :func:`specdecode.models.cpu.use_onednn_linears` makes on the first multi-token pass: counted
-    once it exists); each storage (each quantized layer) once. Not counted: storages the ``target``
+    once it exists), and the ``weight_bytes`` of a backend model (a llama.cpp GGUF draft:
+    :class:`~specdecode.models.llamacpp.LlamaCppModel`); each storage (each quantized layer) once. Not
+    counted: storages the ``target``
     owns (shared embeddings, the target's layers an early-exit proposer reuses) and per-request
     state (tensors a proposer keeps outside modules, such as the tokens in its cache;
     ``transformers`` KV caches), which grows with the context rather than being a cost of the
@@ -141,7 +143,8 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
 
     Args:
         proposer: any proposer (or object holding models).
-        target: the target model whose storages are left out; None counts everything.
+        target: the target model (a torch module or a backend model) whose storages are left out;
+            None counts everything.
         max_depth: how many attribute hops to follow from ``proposer``.
 
     Returns:
@@ -150,7 +153,7 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
     from torch.ao.nn.quantized.modules.linear import LinearPackedParams  # a dynamic int8 linear's packed weight
 
     own = set()
-    if target is not None:
+    if isinstance(target, torch.nn.Module):
         own = {t.untyped_storage().data_ptr() for t in [*target.parameters(), *target.buffers()]}
     seen_objects: set[int] = set()
     seen_storages: set[int] = set()
@@ -174,10 +177,12 @@ def proposer_weight_bytes(proposer: object, target: torch.nn.Module | None = Non
 
     def walk(value: object, depth: int, in_module: bool = False) -> None:
         nonlocal total
-        if id(value) in seen_objects or depth > max_depth:
+        if id(value) in seen_objects or depth > max_depth or (target is not None and value is target):
             return
         seen_objects.add(id(value))
-        if isinstance(value, torch.Tensor):
+        if ours(value) and isinstance(getattr(value, "weight_bytes", None), int):  # a backend model's weights
+            total += value.weight_bytes  # type: ignore[attr-defined]
+        elif isinstance(value, torch.Tensor):
             if in_module:  # weights a module's helper keeps; a proposer's own tensors are request state
                 count(value)
         elif isinstance(value, torch.nn.Module):
