@@ -213,3 +213,53 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
     probs = torch.tensor([joint[p] for p in pairs] + [0.0], dtype=torch.float64)
     assert chi_square_p(samples, probs / probs.sum()) > P_MIN
     assert 40 < accepted < 390  # the draft agreed partly: both accepted and recovered tokens were drawn
+
+
+def test_hidden_states_are_what_the_lm_head_turns_into_the_logits(target) -> None:
+    """``return_hidden``: the features are llama.cpp's final hidden states (after the output norm):
+    multiplied by the GGUF's own output matrix (rows dequantized with the ``gguf`` package) they give
+    the returned logits, up to llama.cpp's 8-bit quantized activations; the pass's logits equal
+    those of the same pass without features up to the same rounding."""
+    gguf = pytest.importorskip("gguf")
+    runner = target.make_runner(n_ctx=128)
+    logits, hidden = runner.forward(IDS[:12], num_logits=4, return_hidden=True)
+    assert hidden.shape == (12, target.hidden_size) and hidden.dtype == torch.float32
+    assert logits.shape == (4, target.vocab_size) and runner.length == 12
+    plain = target.make_runner(n_ctx=128).forward(IDS[:12], num_logits=4)
+    assert torch.equal(plain.argmax(-1), logits.argmax(-1))
+    assert (plain - logits).abs().max() < 0.05 * (1 + plain.abs().max())
+    tensors = {t.name: t for t in gguf.GGUFReader(target.path).tensors}
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]  # tied embeddings have no output.weight
+    ids = sorted(set(logits.topk(8, dim=-1).indices.flatten().tolist()) | {0, 17, 4242, 100000})
+    rows = torch.from_numpy(gguf.quants.dequantize(head.data[ids], head.tensor_type).copy()).float()  # (n, H)
+    mine = hidden[-4:] @ rows.T  # (4, n)
+    scale = 1 + float(logits[:, ids].abs().max())
+    assert (mine - logits[:, ids]).abs().max() < 0.02 * scale
+    # a later pass with features continues the same sequence: the root row matches a pass without them
+    more, more_hidden = runner.forward(IDS[12:15], num_logits=3, return_hidden=True)
+    assert more_hidden.shape == (3, target.hidden_size) and runner.length == 15
+    reference = target.make_runner(n_ctx=128)
+    reference.forward(IDS[:12])
+    assert (reference.forward(IDS[12:15], num_logits=3) - more).abs().max() < 0.05 * scale
+
+
+def test_a_greedy_verification_pass_stops_after_the_first_chunk_with_a_wrong_draft(target) -> None:
+    """Exact mode verifies in chunks anyway; with ``greedy_draft`` it stops after the chunk whose
+    argmax first disagrees with the draft (the verifier would throw the later rows away)."""
+    runner = target.make_runner(n_ctx=128)
+    first = int(runner.forward(IDS[:20])[0].argmax())
+    chain = [first]
+    for _ in range(8):  # the target's own greedy continuation, one token per pass
+        chain.append(int(runner.forward(torch.tensor(chain[-1:]))[0].argmax()))
+    runner.truncate(20)
+    right = torch.tensor(chain)  # (9,): root + 8 drafts the target agrees with
+    full = runner.forward(right, num_logits=9, greedy_draft=right[1:])
+    assert full.shape[0] == 9 and runner.length == 29
+    assert torch.equal(full.argmax(-1)[:-1], right[1:])
+    runner.truncate(20)
+    wrong = right.clone()
+    wrong[2] = (wrong[2] + 1) % 1000  # the second draft is wrong: the first chunk (3 rows) shows it
+    rows = runner.forward(wrong, num_logits=9, greedy_draft=wrong[1:])
+    n_inv = target.options.invariant_tokens
+    assert rows.shape[0] == n_inv and runner.length == 20 + n_inv
+    assert torch.equal(rows[:2], full[:2])  # the rows before the wrong token are the same

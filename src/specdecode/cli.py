@@ -106,14 +106,20 @@ def _option_type(default: Any, annotation: str) -> type:
     return str
 
 
-def add_proposer_args(p: argparse.ArgumentParser) -> None:
-    """``--proposer`` and one flag per option of every registered proposer (fields of its config)."""
+def add_proposer_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """``--proposer`` and one flag per option of every registered proposer (fields of its config);
+    with ``auto``, ``--proposer auto`` (the default) picks the backend's measured best
+    (:func:`specdecode.models.backends.default_proposer`)."""
     from specdecode.proposers import PROPOSERS
 
     choices = ", ".join(f"{name} ({spec.description})" for name, spec in PROPOSERS.items())
-    p.add_argument(
-        "--proposer", default="draft_model", choices=sorted(PROPOSERS), help=f"default draft_model; {choices}"
-    )
+    if auto:
+        default = "auto"
+        text = "default auto: draft_model with --draft, else prompt_lookup on llamacpp, draft_model on torch; "
+    else:
+        default, text = "draft_model", "default draft_model; "
+    names = sorted(PROPOSERS) + (["auto"] if auto else [])
+    p.add_argument("--proposer", default=default, choices=names, help=text + choices)
     seen: dict[str, list[str]] = {}
     helps: dict[str, tuple[Any, str]] = {}
     annotations: dict[str, str] = {}
@@ -189,6 +195,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         parse_tree(args.tree)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
+    if args.proposer == "auto":
+        from specdecode.models.backends import default_proposer, resolve_backend
+
+        args.proposer = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
         draft=args.draft,
@@ -244,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_backend_args(g)
     add_sampling_args(g, max_new_tokens=256)
-    add_proposer_args(g)
+    add_proposer_args(g, auto=True)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")

@@ -156,7 +156,7 @@ class SpeculativeGenerator:
         target: str | Path | None = None,
         draft: str | Path | None = None,
         dtype: str | torch.dtype = "auto",
-        proposer: str | None = "draft_model",
+        proposer: str | None = "auto",
         backend: str = "auto",
         threads: int | None = None,
         exact: bool = True,
@@ -175,7 +175,10 @@ class SpeculativeGenerator:
                 oneDNN linears: :mod:`specdecode.models.cpu`), ``"bfloat16"`` or ``"float32"`` (or
                 the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
-                ``"prompt_lookup"``, ...), or None for a target-only generator.
+                ``"prompt_lookup"``, ...), None for a target-only generator, or ``"auto"`` (default):
+                ``draft_model`` when a ``draft`` is named, else the backend's measured best
+                (:data:`~specdecode.models.backends.DEFAULT_PROPOSER`: ``prompt_lookup`` on llama.cpp,
+                ``draft_model`` on torch).
             backend: ``"auto"``, ``"torch"`` or ``"llamacpp"``
                 (:func:`~specdecode.models.backends.resolve_backend`: ``auto`` runs ``.gguf`` files
                 and the default pair on llama.cpp on a CPU, Hugging Face folders and GPUs on torch).
@@ -193,19 +196,22 @@ class SpeculativeGenerator:
                 backend cannot serve (the message names both).
             IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
-        from specdecode.models.backends import resolve_backend
+        from specdecode.models.backends import default_proposer, resolve_backend
         from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
         from specdecode.proposers import PROPOSERS
         from specdecode.proposers.vocabulary import draft_proposer
 
         parse_dtype(dtype)
+        chosen_backend = resolve_backend(backend, target, dtype)
+        if proposer == "auto":
+            proposer = default_proposer(chosen_backend, draft)
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
         spec = PROPOSERS[proposer] if proposer is not None else None
         if spec is None and proposer_options:
             raise ValueError(f"proposer options {sorted(proposer_options)} given without a proposer")
         config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
-        if resolve_backend(backend, target) == "llamacpp":
+        if chosen_backend == "llamacpp":
             auto = backend == "auto"  # auto: what llama.cpp cannot serve runs on torch, as before
             if not (auto and spec is not None and "llamacpp" not in spec.backends):
                 made = cls._from_gguf(target, draft, spec, config, threads, exact, fallback=auto)
@@ -342,13 +348,20 @@ class SpeculativeGenerator:
                 proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()
             )  # 1.
             toc = time.perf_counter()
+            hint = draft.ids if sampling.greedy and len(draft) else None  # a split pass may stop at a mismatch
             logits, hidden = _pass(
-                target.forward(torch.cat([context[T - 1 : T], draft.ids]), len(draft) + 1, return_hidden=features)
-            )  # 2. (k+1, V), features (k+1, H) | None
+                target.forward(
+                    torch.cat([context[T - 1 : T], draft.ids]),
+                    len(draft) + 1,
+                    return_hidden=features,
+                    greedy_draft=hint,
+                )
+            )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
             stats.draft_time_s += toc - tic
             stats.target_time_s += time.perf_counter() - toc
             stats.target_forward_passes += 1
-            result = verify(draft.ids, draft.probs, logits, sampling, generator)  # 3.
+            scored = logits.shape[0] - 1  # drafts scored: the rejection is among them (greedy), same result
+            result = verify(draft.ids[:scored], draft.probs, logits, sampling, generator)  # 3.
             target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
             if proposer is not None:
                 if hidden is not None:

@@ -176,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ks: list[int | None] = [None] if sweep is None else list(parse_ks(sweep))  # None: each proposer's default
     from specdecode.models.backends import resolve_backend
 
-    backend = resolve_backend(args.backend, args.target)
+    backend = resolve_backend(args.backend, args.target, args.dtype)
     names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target, backend)
     variants = expand(names, ks)
     for variant in variants:

@@ -11,7 +11,8 @@ token ids of one turn and returns the new token ids, its wall time and, for our 
   ``hf_assisted`` (``assistant_model=draft``, Hugging Face's own draft-length defaults) and
   ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=k``).
 - peers on the target's GGUF file (any backend; the same threads): ``llamacpp`` (llama-cpp-python's
-  own plain generation, ``Llama.generate``) and ``llamacpp_prompt_lookup`` (the same with its
+  own plain generation, ``Llama.generate``, with flash attention on as llama.cpp itself defaults to
+  on a CPU: its fastest plain decoding) and ``llamacpp_prompt_lookup`` (the same with its
   ``LlamaPromptLookupDecoding``, ``num_pred_tokens=k``, its default 10 without a sweep).
 
 Methods that take k (``uses_k``) become one column per k of a sweep, labelled ``name[k=4]``;
@@ -201,6 +202,7 @@ class BenchModels:
                 n_batch=512,
                 n_threads=threads,
                 n_threads_batch=threads,
+                flash_attn=True,  # llama.cpp's own default (auto: on for the CPU); Llama's is off, and slower
                 draft_model=draft,
                 verbose=False,
             )

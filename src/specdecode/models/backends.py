@@ -19,18 +19,29 @@ from specdecode.errors import ModelNotFoundError
 BACKENDS = ("auto", "torch", "llamacpp")
 """What ``--backend`` accepts."""
 
+DEFAULT_PROPOSER = {"torch": "draft_model", "llamacpp": "prompt_lookup"}
+"""The proposer that runs when none is named (``proposer="auto"``), per backend: measured best on
+the reference CPU (docs/benchmarks.md): on llama.cpp the 0.5B draft costs 0.55 of a target pass on
+2 threads and loses to plain decoding, while prompt lookup drafts for free."""
+
+
+def default_proposer(backend: str, draft: str | Path | None = None) -> str:
+    """The proposer for ``proposer="auto"`` on ``backend`` (a resolved one): ``draft_model`` whenever
+    a draft is named, else :data:`DEFAULT_PROPOSER`."""
+    return "draft_model" if draft is not None else DEFAULT_PROPOSER.get(backend, "draft_model")
+
 
 def llamacpp_available() -> bool:
     """Whether llama-cpp-python is installed (without loading its native library)."""
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def resolve_backend(backend: str, target: str | Path | None = None) -> str:
+def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto") -> str:
     """The backend that runs ``target`` (None: the default target) for ``backend``.
 
     ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
-    without a CUDA GPU (where llama-cpp-python is installed); ``torch`` for Hugging Face folders and
-    on a CUDA GPU.
+    without a CUDA GPU (where llama-cpp-python is installed); ``torch`` for Hugging Face folders, on
+    a CUDA GPU, and whenever a ``dtype`` other than ``"auto"`` is asked for (a torch setting).
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -39,7 +50,9 @@ def resolve_backend(backend: str, target: str | Path | None = None) -> str:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend
-    if torch.cuda.is_available() or not llamacpp_available():
+    if torch.cuda.is_available() or not llamacpp_available() or (isinstance(dtype, str) and dtype != "auto"):
+        return "torch"
+    if not isinstance(dtype, str):  # a torch dtype
         return "torch"
     if target is None:
         return "llamacpp"

@@ -262,26 +262,38 @@ class LlamaCppRunner:
                 raise RuntimeError(f"llama.cpp could not truncate the cache to {length} tokens")
             self.length = length
 
-    def forward(self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        num_logits: int = 1,
+        return_hidden: bool = False,
+        greedy_draft: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` to the sequence and return the logits of its last positions.
 
         Args:
             input_ids: int64 ``[T]``, T >= 1, the tokens after the :attr:`length` cached ones.
             num_logits: how many of the last positions to score (1 <= num_logits <= T).
-            return_hidden: not supported on this backend yet (features come from the torch backend).
+            return_hidden: also return the final hidden states of all T tokens (llama.cpp's
+                embeddings of a generative model: the output norm's result, what its LM head reads;
+                ``llama_set_embeddings`` is on for this pass only, and llama.cpp then scores every
+                token, so a prefill with features costs the LM head on every prompt token).
+            greedy_draft: for a greedy verification pass (``num_logits == T``), the drafted tokens
+                ``input_ids[1:]`` (int64 ``[T - 1]``): an exact runner, which splits the pass into
+                batch-invariant chunks anyway, stops after the first chunk whose rows' argmax
+                disagrees with them; the rows after that would be discarded by the verifier.
 
         Returns:
             float32 ``[num_logits, V]``; row i scores the token after ``input_ids[T - num_logits + i]``.
+            With ``return_hidden``: ``(logits, hidden)``, hidden float32 ``[T, H]`` (as many rows
+            as logits when ``greedy_draft`` stopped early: the tokens computed).
+            With ``greedy_draft`` and a mismatch, only the rows of the chunks computed ``[m, V]``,
+            ``m < num_logits``; the cache then holds only those tokens (``length`` says so).
 
         Raises:
-            ValueError: ``num_logits`` out of range, the sequence would not fit in the context,
-                or ``return_hidden`` (the message names the backend).
+            ValueError: ``num_logits`` out of range, or the sequence would not fit in the context.
             RuntimeError: ``llama_decode`` failed.
         """
-        if return_hidden:
-            raise ValueError(
-                "return_hidden: the llamacpp backend does not return hidden states yet; use --backend torch"
-            )
         ids = [int(i) for i in input_ids.reshape(-1).tolist()]
         T = len(ids)
         if not 1 <= num_logits <= T:
@@ -293,18 +305,34 @@ class LlamaCppRunner:
         if options.exact and num_logits > 1:  # a verification pass: batch-invariant chunks
             chunk = min(chunk, options.invariant_tokens)
         rows: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
         first_scored = T - num_logits
-        for start in range(0, T, chunk):
-            part = ids[start : start + chunk]
-            scored = [start + i >= first_scored for i in range(len(part))]
-            out = self._decode(part, scored)
-            if out is not None:
-                rows.append(out)
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+        check = greedy_draft is not None and num_logits == T and chunk < T
+        if return_hidden:
+            self._lib.llama_set_embeddings(self._ctx, True)
+        try:
+            for start in range(0, T, chunk):
+                part = ids[start : start + chunk]
+                scored = [start + i >= first_scored for i in range(len(part))]
+                out = self._decode(part, scored, hidden if return_hidden else None)
+                if out is not None:
+                    rows.append(out)
+                if check and out is not None and start + chunk < T:
+                    expected = greedy_draft[start : start + len(part)]  # type: ignore[index]  # these rows' tokens
+                    if not torch.equal(out.argmax(-1), expected):
+                        break  # the verifier rejects within this chunk: later rows would be thrown away
+        finally:
+            if return_hidden:
+                self._lib.llama_set_embeddings(self._ctx, False)
+        logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+        return (logits, torch.cat(hidden)) if return_hidden else logits
 
-    def _decode(self, ids: list[int], scored: list[bool]) -> torch.Tensor | None:
+    def _decode(
+        self, ids: list[int], scored: list[bool], hidden: list[torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """One ``llama_decode`` of ``ids`` at the next positions; float32 logits ``[sum(scored), V]``
-        of the scored tokens (None if none)."""
+        of the scored tokens (None if none). With ``hidden`` (embeddings on: llama.cpp outputs every
+        token), the scored rows are picked from all n, and the n hidden states ``[n, H]`` are appended."""
         batch, lib = self._batch, self._lib
         n = len(ids)
         batch.n_tokens = n
@@ -319,13 +347,20 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama_decode failed with status {status} at length {self.length} (+{n} tokens)")
         self.length += n
         self.passes += 1
+        if hidden is not None:
+            H = self.model.hidden_size
+            pointer = lib.llama_get_embeddings(self._ctx)  # (n, H): every token, in batch order
+            array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n, H))
+            hidden.append(torch.from_numpy(array.copy()))
         m = sum(scored)
         if m == 0:
             return None
         V = self.vocab_size
-        pointer = lib.llama_get_logits(self._ctx)  # the scored rows, contiguous, in batch order
-        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(m, V))
-        return torch.from_numpy(array.copy())  # (m, V) float32: a copy, the next decode overwrites it
+        outputs = n if hidden is not None else m  # embeddings on: llama.cpp scored every token
+        pointer = lib.llama_get_logits(self._ctx)  # the output rows, contiguous, in batch order
+        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(outputs, V))
+        picked = array[[i for i in range(n) if scored[i]]] if outputs != m else array.copy()
+        return torch.from_numpy(picked)  # (m, V) float32: a copy, the next decode overwrites the buffer
 
     def forward_masked(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Token trees are not served by this backend yet.

@@ -157,7 +157,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
+        self,
+        input_ids: torch.Tensor,
+        num_logits: int = 1,
+        return_hidden: bool = False,
+        greedy_draft: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` to the sequence and return the logits of its last positions.
 
@@ -168,6 +172,11 @@ class ModelRunner:
                 (``model.get_decoder()`` ``last_hidden_state``, after the final norm, what the LM
                 head reads) of all T tokens. The logits are then ``lm_head`` of their last
                 ``num_logits`` rows, what the model's own forward computes.
+            greedy_draft: the runner contract's hint for a greedy verification pass (the drafted
+                tokens, ``input_ids[1:]``): a runner that splits the pass may stop after the first
+                part whose argmax disagrees with them and return fewer rows
+                (:meth:`specdecode.models.llamacpp.LlamaCppRunner.forward`). Unused here: one pass
+                scores every row.
 
         Returns:
             float32 ``[num_logits, V]`` logits; row i scores the token that follows
