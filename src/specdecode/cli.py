@@ -115,7 +115,10 @@ def add_proposer_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
     choices = ", ".join(f"{name} ({spec.description})" for name, spec in PROPOSERS.items())
     if auto:
         default = "auto"
-        text = "default auto: draft_model with --draft, else prompt_lookup on llamacpp, draft_model on torch; "
+        text = (
+            "default auto: draft_model with --draft, else prompt_lookup (--min-ngram 3) on llamacpp, "
+            "draft_model on torch; "
+        )
     else:
         default, text = "draft_model", "default draft_model; "
     names = sorted(PROPOSERS) + (["auto"] if auto else [])
@@ -198,7 +201,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.proposer == "auto":
         from specdecode.models.backends import default_proposer, resolve_backend
 
-        args.proposer = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
+        args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
+        for option, value in defaults.items():  # options the user set win
+            if getattr(args, option, None) is None:
+                setattr(args, option, value)
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
         draft=args.draft,

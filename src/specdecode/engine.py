@@ -177,8 +177,8 @@ class SpeculativeGenerator:
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), None for a target-only generator, or ``"auto"`` (default):
                 ``draft_model`` when a ``draft`` is named, else the backend's measured best
-                (:data:`~specdecode.models.backends.DEFAULT_PROPOSER`: ``prompt_lookup`` on llama.cpp,
-                ``draft_model`` on torch).
+                (:data:`~specdecode.models.backends.DEFAULT_PROPOSER`: ``prompt_lookup`` after 3-token
+                matches on llama.cpp, ``draft_model`` on torch), options given here taking precedence.
             backend: ``"auto"``, ``"torch"`` or ``"llamacpp"``
                 (:func:`~specdecode.models.backends.resolve_backend`: ``auto`` runs ``.gguf`` files
                 and the default pair on llama.cpp on a CPU, Hugging Face folders and GPUs on torch).
@@ -204,7 +204,8 @@ class SpeculativeGenerator:
         parse_dtype(dtype)
         chosen_backend = resolve_backend(backend, target, dtype)
         if proposer == "auto":
-            proposer = default_proposer(chosen_backend, draft)
+            proposer, defaults = default_proposer(chosen_backend, draft)
+            proposer_options = {**defaults, **proposer_options}
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
         spec = PROPOSERS[proposer] if proposer is not None else None

@@ -1,0 +1,71 @@
+"""Backend selection and the front door's checks: no model is loaded here."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import SpeculativeGenerator
+from specdecode.cli import main
+from specdecode.models import backends
+from specdecode.models.backends import default_proposer, resolve_backend
+
+
+@pytest.fixture
+def cpu_with_llamacpp(monkeypatch):
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(backends, "llamacpp_available", lambda: True)
+
+
+def test_auto_picks_llamacpp_for_gguf_and_the_default_pair_on_a_cpu(cpu_with_llamacpp, tmp_path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert resolve_backend("auto") == "llamacpp"
+    assert resolve_backend("auto", gguf) == "llamacpp"
+    assert resolve_backend("auto", folder) == "torch"
+    assert resolve_backend("auto", None, "float32") == "torch"  # a torch dtype asks for torch
+    assert resolve_backend("torch", gguf) == "torch" and resolve_backend("llamacpp", folder) == "llamacpp"
+
+
+def test_auto_picks_torch_on_a_gpu_or_without_llama_cpp(monkeypatch) -> None:
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto") == "torch"
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(backends, "llamacpp_available", lambda: False)
+    assert resolve_backend("auto") == "torch"
+
+
+def test_a_bad_backend_names_the_parameter() -> None:
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("onnx")
+
+
+def test_the_default_proposer_follows_the_backend_and_a_named_draft() -> None:
+    assert default_proposer("llamacpp") == ("prompt_lookup", {"min_ngram": 3})
+    assert default_proposer("torch") == ("draft_model", {})
+    assert default_proposer("llamacpp", draft="d.gguf") == ("draft_model", {})
+
+
+def test_llamacpp_options_are_checked_and_pick_the_invariant_pass() -> None:
+    from specdecode.models.llamacpp import INVARIANT_TOKENS, LlamaCppOptions
+
+    assert LlamaCppOptions(repack=True).invariant_tokens == INVARIANT_TOKENS[True] == 3
+    assert LlamaCppOptions(repack=False).invariant_tokens == INVARIANT_TOKENS[False] == 7
+    with pytest.raises(ValueError, match="threads"):
+        LlamaCppOptions(threads=0)
+    with pytest.raises(ValueError, match="n_ctx"):
+        LlamaCppOptions(n_ctx=0)
+
+
+def test_a_proposer_llamacpp_cannot_serve_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="'early_exit' is not available on the llamacpp backend"):
+        SpeculativeGenerator.from_pretrained(backend="llamacpp", proposer="early_exit")
+
+
+def test_cli_rejects_bad_threads_and_torch_only_bench_methods(capsys) -> None:
+    assert main(["generate", "hi", "--backend", "llamacpp", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
+    assert main(["bench", "--backend", "llamacpp", "--methods", "target,hf_generate", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "hf_generate" in err and "llamacpp backend" in err
