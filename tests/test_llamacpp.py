@@ -175,11 +175,13 @@ def test_greedy_speculation_equals_plain_decoding_on_real_prompts(target, draft,
 
 
 def test_from_pretrained_runs_the_default_pair_on_llamacpp(target) -> None:
-    spec = SpeculativeGenerator.from_pretrained(backend="llamacpp", threads=2)
+    spec = SpeculativeGenerator.from_pretrained(threads=2)  # auto: the default pair runs on llama.cpp
     assert spec.backend == "llamacpp"
-    result = spec.generate(PROMPTS[1], SamplingParams(max_new_tokens=24))
+    assert spec.proposer.name == "prompt_lookup" and spec.proposer.config.min_ngram == 3  # proposer auto
+    drafted = SpeculativeGenerator.from_pretrained(backend="llamacpp", threads=2, proposer="draft_model")
+    result = drafted.generate(PROMPTS[1], SamplingParams(max_new_tokens=24))
     assert "def" in result.text or "running" in result.text
-    assert result.stats.proposer == "draft_model"
+    assert result.stats.proposer == "draft_model" and result.stats.accepted_tokens > 0
     with pytest.raises(ValueError, match="llamacpp backend"):
         SpeculativeGenerator.from_pretrained(backend="llamacpp", proposer="early_exit")
 

@@ -100,7 +100,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {key: defaults[key] if value is None else value for key, value in given.items()}
 
 
-def _load_models(args: argparse.Namespace, need_draft: bool, backend: str) -> Any:
+def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "torch") -> Any:
     from specdecode.bench.methods import BenchModels
     from specdecode.models.backends import gguf_path
     from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
@@ -113,10 +113,10 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str) -> An
         from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
         from specdecode.models.llamacpp import LlamaCppOptions
 
-        options = LlamaCppOptions(threads=args.threads, exact=args.exact)
+        options = LlamaCppOptions(threads=getattr(args, "threads", None), exact=getattr(args, "exact", True))
         target = load_llamacpp(args.target, "target", options)
         draft = load_llamacpp(args.draft, "draft", options) if need_draft else None
-        return BenchModels(target, draft, load_llamacpp_tokenizer(target), target.path, args.threads)
+        return BenchModels(target, draft, load_llamacpp_tokenizer(target), target.path, options.threads)
 
     target_dir = resolve_model_dir(args.target, "target")  # every path checked before any weights load
     draft_dir = resolve_model_dir(args.draft, "draft") if need_draft else None
@@ -124,22 +124,28 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str) -> An
     # peers), which would otherwise leave the target's verification passes without them
     target = load_model(target_dir, "target", args.dtype, prepack_now=True)
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
-    return BenchModels(target, draft, load_tokenizer(target_dir), gguf, args.threads)
+    return BenchModels(target, draft, load_tokenizer(target_dir), gguf, getattr(args, "threads", None))
 
 
 def default_methods(target: str | None, backend: str = "torch") -> list[str]:
-    """Every registered method that runs on ``backend``, less the trained-drafter proposers
+    """Every registered method that runs on ``backend`` (the llama.cpp peers only for a GGUF target),
+    less the trained-drafter proposers
     (``medusa``, ``eagle``) whose drafter for ``target`` has not been trained (``specdecode
     train-drafter``; a note on stderr)."""
     from specdecode.bench.methods import METHODS
     from specdecode.drafters import find_drafter_dir
     from specdecode.drafters.heads import CONFIG_FILE
+    from specdecode.models.backends import gguf_path
     from specdecode.models.loading import resolve_model_dir
     from specdecode.proposers import PROPOSERS
 
+    try:  # the llama.cpp peers need the target as a GGUF file
+        has_gguf = gguf_path(target, "target") is not None
+    except (OSError, ValueError, SpecDecodeError):
+        has_gguf = False
     names = []
     for name in METHODS:
-        if backend not in METHODS[name].backends:
+        if backend not in METHODS[name].backends or (METHODS[name].needs_gguf and not has_gguf):
             continue
         spec = PROPOSERS.get(name)
         if spec is not None and spec.needs_target_features:

@@ -204,6 +204,9 @@ class BenchModels:
                 n_threads_batch=threads,
                 flash_attn=True,  # llama.cpp's own default (auto: on for the CPU); Llama's is off, and slower
                 draft_model=draft,
+                # with a draft model Llama scores every token but sizes its score buffer by this flag
+                # (0.3.36): without it a prompt over n_batch tokens overflows the buffer
+                logits_all=draft is not None,
                 verbose=False,
             )
         return self._llamas[num_pred_tokens]
@@ -250,6 +253,8 @@ class Method:
         needs_draft: needs the draft model loaded.
         fixed_k: the k a chain method fixed with its ``k=`` option (it then takes none from a sweep).
         backends: the backends (``--backend``) it runs on.
+        needs_gguf: runs the target's GGUF file (the llama.cpp peers): left out of the default
+            methods when the target is not one.
     """
 
     name: str
@@ -259,6 +264,7 @@ class Method:
     needs_draft: bool = False
     fixed_k: int | None = None
     backends: tuple[str, ...] = ("torch", "llamacpp")
+    needs_gguf: bool = False
 
 
 @dataclass(frozen=True)
@@ -388,8 +394,8 @@ for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with 
         needs_draft=_spec.needs_draft,
         backends=_spec.backends,
     )
-register_method(Method("llamacpp", _llama_run(False), peer=True))
-register_method(Method("llamacpp_prompt_lookup", _llama_run(True), uses_k=True, peer=True))
+register_method(Method("llamacpp", _llama_run(False), peer=True, needs_gguf=True))
+register_method(Method("llamacpp_prompt_lookup", _llama_run(True), uses_k=True, peer=True, needs_gguf=True))
 TORCH = ("torch",)
 register_method(Method("hf_generate", _hf_run(), peer=True, backends=TORCH))
 register_method(

@@ -138,6 +138,11 @@ class ModelRunner:
         return self.model.device
 
     @property
+    def dtype(self) -> str:
+        """The model's dtype without the ``torch.`` prefix (``"bfloat16"``), for records."""
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the full output head (the vocabulary), the size of the logits' last dimension
         unless :attr:`head_ids` is set (then it is ``len(head_ids)``)."""
