@@ -466,3 +466,13 @@ def test_a_label_names_a_method_with_options(models):
     for bad in ("a;b", "target", "x/y"):
         with pytest.raises(ValueError, match="label="):
             parse_method(f"prompt_lookup(max_ngram=2,label={bad})")
+
+
+def test_the_plan_and_an_estimate_go_to_stderr_before_the_run_ends(models, questions, capsys):
+    prompts = load_prompts(questions, "mt_bench,qa", None)
+    assert len(prompts) >= 2
+    turns = sum(len(p.turns) for p in prompts)
+    run_bench(models, prompts, expand(["target", "prompt_lookup"], [2]), SETTINGS, progress=False)
+    err = capsys.readouterr().err
+    assert f"{len(prompts)} prompts ({turns} turns) x 2 methods x 1 repeats = {2 * turns} generations" in err
+    assert "the first prompt took" in err and "the whole run about" in err

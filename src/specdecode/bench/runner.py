@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -124,11 +125,14 @@ def run_bench(
     repeats: int = 1,
     warmup: bool = True,
     progress: bool = True,
+    announce: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark; return the results (``records``, ``methods``, ``skipped``, ``greedy``).
 
     Repeat r of a prompt uses seed ``settings.seed + r`` for every method. The caller adds
-    ``settings`` and ``environment`` and saves it with :func:`save_results`.
+    ``settings`` and ``environment`` and saves it with :func:`save_results`. With ``announce``,
+    the plan (prompts, turns, methods, repeats) goes to stderr before anything runs, and an
+    estimate of the whole run's time once the first prompt has run with every method.
 
     Raises:
         ValueError: no prompts, no methods, or ``repeats`` < 1.
@@ -137,12 +141,24 @@ def run_bench(
 
     if not prompts or not variants or repeats < 1:
         raise ValueError(f"need prompts ({len(prompts)}), methods ({len(variants)}) and repeats >= 1 ({repeats})")
+    turns = sum(len(p.turns) for p in prompts)
+    if announce:
+        print(
+            f"bench: {len(prompts)} prompts ({turns} turns) x {len(variants)} methods x {repeats} repeats = "
+            f"{turns * len(variants) * repeats} generations of up to {settings.max_new_tokens} tokens",
+            file=sys.stderr,
+        )
     skipped: dict[str, str] = {}
     if warmup:
         warm_up(models, prompts, variants, settings, skipped)
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * repeats * len(variants), desc="bench", unit="run", disable=not progress)
-    for prompt in prompts:
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        if announce and index == 1:
+            seconds = (time.perf_counter() - started) * turns / len(prompts[0].turns)
+            print(f"bench: the first prompt took {time.perf_counter() - started:.0f} s; the whole run about "
+                  f"{seconds / 60:.0f} min", file=sys.stderr)  # fmt: skip
         for repeat in range(repeats):
             seeded = replace(settings, seed=settings.seed + repeat)
             for variant in variants:
