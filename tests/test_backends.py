@@ -69,3 +69,14 @@ def test_cli_rejects_bad_threads_and_torch_only_bench_methods(capsys) -> None:
     assert main(["bench", "--backend", "llamacpp", "--methods", "target,hf_generate", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "hf_generate" in err and "llamacpp backend" in err
+
+
+def test_an_option_of_several_proposers_gets_each_ones_help() -> None:
+    from specdecode.cli import build_parser
+
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
+    text = next(a.help for a in generate._actions if "--draft-quantization" in a.option_strings)
+    assert "draft_model: auto" in text and "early_exit: none" in text
+    proposer = next(a for a in generate._actions if "--proposer" in a.option_strings)
+    assert proposer.default == "auto" and "auto" in proposer.choices

@@ -124,17 +124,19 @@ def add_proposer_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
     names = sorted(PROPOSERS) + (["auto"] if auto else [])
     p.add_argument("--proposer", default=default, choices=names, help=text + choices)
     seen: dict[str, list[str]] = {}
-    helps: dict[str, tuple[Any, str]] = {}
+    helps: dict[str, dict[str, list[str]]] = {}  # option -> help text -> the proposers that say it
+    defaults: dict[str, Any] = {}
     annotations: dict[str, str] = {}
     for name, spec in PROPOSERS.items():
         for f in dataclasses.fields(spec.config):
             seen.setdefault(f.name, []).append(name)
-            helps[f.name] = (f.default, f.metadata.get("help", ""))
+            helps.setdefault(f.name, {}).setdefault(f.metadata.get("help", ""), []).append(name)
+            defaults[f.name] = f.default
             annotations[f.name] = str(f.type)
-    for option, owners in seen.items():
-        default, text = helps[option]
-        kind = _option_type(default, annotations[option])
-        p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, help=f"{'/'.join(owners)}: {text}")
+    for option in seen:
+        kind = _option_type(defaults[option], annotations[option])
+        text = "; ".join(f"{'/'.join(owners)}: {words}" for words, owners in helps[option].items())
+        p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, help=text)
 
 
 def proposer_options(args: argparse.Namespace) -> dict[str, Any]:
