@@ -25,7 +25,7 @@ from specdecode.models.loading import load_model
 from specdecode.models.quant import DRAFT_QUANTIZATIONS
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
-from specdecode.proposers.token_map import load_token_map
+from specdecode.token_map import load_token_map
 
 
 def step_time(runner: ModelRunner, prompt: torch.Tensor, steps: int) -> float:

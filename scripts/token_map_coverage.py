@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from specdecode.proposers.token_map import load_token_map
+from specdecode.token_map import load_token_map
 
 
 def main() -> None:

@@ -153,7 +153,7 @@ def test_greedy_equals_the_target_alone_with_a_bf16_int8_draft(
     model = proposer.runner.model
     assert model.get_submodule("model.layers.0.mlp.down_proj").weight.dtype == torch.bfloat16
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
-    from specdecode.proposers.token_map import save_token_map
+    from specdecode.token_map import save_token_map
 
     path = str(save_token_map(torch.arange(60), tmp_path / "map.npy"))
     mapped = DraftModelProposer(draft, DraftModelConfig(draft_quantization="int8", token_map=path))
@@ -242,7 +242,7 @@ def test_a_fully_agreeing_int8_draft_is_always_accepted() -> None:
 
 
 def test_int8_with_a_token_map_and_the_early_exit_proposer(tmp_path, tiny_pair, greedy_outputs) -> None:
-    from specdecode.proposers.token_map import save_token_map
+    from specdecode.token_map import save_token_map
 
     path = str(save_token_map(torch.arange(60), tmp_path / "map.npy"))
     target = tiny_pair["target"]
@@ -282,7 +282,7 @@ def test_sampled_tokens_follow_the_target(tmp_path, tree, mapped) -> None:
     reduced head over 9 of the 12 tokens, q zero outside them): the first three tokens drafted by
     an int8 near-copy of the target follow the exact target marginals (chi-square p > P_MIN,
     1,000 seeded samples), with part of the drafts accepted."""
-    from specdecode.proposers.token_map import save_token_map
+    from specdecode.token_map import save_token_map
 
     target = make_tiny_model(vocab_size=V_SMALL, seed=5, init=0.3)
     draft = perturbed_copy(target, noise=0.1, seed=6)

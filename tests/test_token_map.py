@@ -19,7 +19,8 @@ from specdecode.models.loading import load_tokenizer
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers import get_spec
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
-from specdecode.proposers.token_map import (
+from specdecode.sampling import logits_to_probs
+from specdecode.token_map import (
     DEFAULT_TOKEN_MAP,
     WORD_FORMS,
     build_token_map,
@@ -32,7 +33,6 @@ from specdecode.proposers.token_map import (
     token_map_from_counts,
     word_list_counts,
 )
-from specdecode.sampling import logits_to_probs
 
 from conftest import CORPUS, TINY_VOCAB, make_tiny_model, perturbed_copy
 from reference import exact_marginals, target_only_greedy

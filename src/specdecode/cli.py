@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
-    from specdecode.proposers.token_map import add_token_map_parser
+    from specdecode.token_map import add_token_map_parser
 
     add_token_map_parser(sub)
 

@@ -3,7 +3,7 @@
 ``specdecode train-drafter --kind medusa|eagle --out DIR`` does two things:
 
 1. **Features** (:func:`collect_features`): text that installs offline (the Python standard
-   library's source, :func:`specdecode.proposers.token_map.corpus_files`; never the benchmark
+   library's source, :func:`specdecode.token_map.corpus_files`; never the benchmark
    prompts) is tokenised and cut into sequences of ``seq_len`` tokens; the target runs over each
    (no gradient) and we keep, per position p, the token ``x_p``, the feature ``f_p`` (final hidden
    state after the norm, bfloat16) and ``y_p = argmax lm_head(f_p)``, the target's own prediction
@@ -375,7 +375,7 @@ class TrainConfig:
 
 def head_ids_from_predictions(predictions: torch.Tensor, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
     """Token map: ``always`` (special tokens) then the target's most frequent predictions; int64 ``[size]``."""
-    from specdecode.proposers.token_map import token_map_from_counts
+    from specdecode.token_map import token_map_from_counts
 
     counts = np.bincount(predictions.reshape(-1).numpy(), minlength=vocab_size)[:vocab_size]
     return token_map_from_counts(counts, min(size, vocab_size), always)
@@ -934,7 +934,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from specdecode.drafters import default_drafter_dir
     from specdecode.models.default import cache_dir
     from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
-    from specdecode.proposers.token_map import corpus_files, read_texts, special_token_ids
+    from specdecode.token_map import corpus_files, read_texts, special_token_ids
 
     config = TrainConfig(
         kind=args.kind,

@@ -23,8 +23,8 @@ from specdecode.proposers.hybrid import (
     prompt_lookup_min_field,
     prompt_lookup_model_k_field,
 )
-from specdecode.proposers.token_map import load_token_map
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.token_map import load_token_map
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
 
@@ -40,7 +40,7 @@ class DraftModelConfig:
             unconfident tokens are the ones the target rejects (the dynamic draft length of
             Hugging Face's ``assistant_confidence_threshold``; Mamou et al. 2024, arXiv 2405.04304).
         token_map: a reduced draft LM head (FR-Spec, Zhao et al. 2025, arXiv 2502.14856): a token map
-            file (``.npy`` / ``.pt``, see :mod:`specdecode.proposers.token_map`), or ``"default"``
+            file (``.npy`` / ``.pt``, see :mod:`specdecode.token_map`), or ``"default"``
             for the map shipped for the default target's tokenizer (Qwen2.5); None drafts over the
             full vocabulary. The draft then proposes only the map's tokens (q is zero elsewhere);
             the output stays exact, acceptance drops by the target mass outside the map.

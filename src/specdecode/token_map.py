@@ -43,7 +43,7 @@ import torch
 
 from specdecode.errors import MissingDependencyError
 
-DEFAULT_TOKEN_MAP = Path(__file__).resolve().parent.parent / "data" / "token_map_qwen2.5_65536.npy"
+DEFAULT_TOKEN_MAP = Path(__file__).resolve().parent / "data" / "token_map_qwen2.5_65536.npy"
 CORPORA = ("stdlib", "site-packages")
 WORD_LIST_PREFIX = "wordfreq-"  # a corpus source "wordfreq-<language>", e.g. "wordfreq-en"
 DEFAULT_CORPUS = ("stdlib", "site-packages", "wordfreq-en")
