@@ -452,17 +452,18 @@ def test_a_method_can_fix_its_own_k(models, questions):
 
 
 def test_a_label_names_a_method_with_options(models):
-    from specdecode.bench.methods import PROPOSERS, parse_method
+    from specdecode.bench.methods import METHODS, parse_method
 
     method = parse_method("draft_model(prompt_lookup_min=2,label=draft+lookup)")
     assert method.name == "draft+lookup" and method.uses_k
-    proposer = PROPOSERS["draft+lookup"](models)
+    assert "draft+lookup" not in METHODS  # parsing registers nothing
+    proposer = method.factory(models)
     assert proposer.name == "draft_model+lookup" and proposer.min_ngram == 2
     # a label keeps the schedule and the tree in the method's name (a chain and its tree stay apart)
     tree = parse_method("draft_model(draft_quantization=int8,label=draft_int8)@tree8")
     adaptive = parse_method("draft_model(draft_quantization=int8,label=draft_int8)+adaptive")
     assert (tree.name, tree.uses_k, adaptive.name) == ("draft_int8@tree8", False, "draft_int8+adaptive")
-    assert PROPOSERS["draft_int8"](models).quantization == "int8"
+    assert tree.factory(models).quantization == "int8" and adaptive.factory(models).quantization == "int8"
     for bad in ("a;b", "target", "x/y"):
         with pytest.raises(ValueError, match="label="):
             parse_method(f"prompt_lookup(max_ngram=2,label={bad})")

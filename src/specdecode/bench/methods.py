@@ -107,15 +107,24 @@ class BenchModels:
     _targets: dict[str, SpeculativeGenerator] = field(default_factory=dict, repr=False)
     _bytes: dict[int, int] = field(default_factory=dict, repr=False)
 
-    def generator(self, proposer: str | None) -> SpeculativeGenerator:
-        """Our engine on :attr:`target` with the named proposer (None: target only), built once.
+    def generator(
+        self, method: str | None, factory: Callable[[BenchModels], Proposer] | None = None
+    ) -> SpeculativeGenerator:
+        """Our engine on :attr:`target` for the method named ``method`` (None: target only), its
+        proposer built once by ``factory(self)`` (default: the registered method's
+        :attr:`Method.factory`).
 
         Raises:
-            ValueError: the proposer needs a draft model and none was loaded.
+            ValueError: the proposer needs a draft model and none was loaded, or ``method`` names no
+                proposer method.
         """
-        key = proposer or "none"
+        key = method or "none"
         if key not in self._generators:
-            made = PROPOSERS[proposer](self) if proposer is not None else None
+            if method is not None and factory is None:
+                factory = METHODS[method].factory if method in METHODS else None
+                if factory is None:
+                    raise ValueError(f"{method!r} is not a proposer method")
+            made = factory(self) if factory is not None else None
             self._generators[key] = SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made)
         return self._generators[key]
 
@@ -255,6 +264,8 @@ class Method:
         backends: the backends (``--backend``) it runs on.
         needs_gguf: runs the target's GGUF file (the llama.cpp peers): left out of the default
             methods when the target is not one.
+        factory: for a method of our engine with a proposer, ``factory(models)`` builds the
+            proposer (once per run: :meth:`BenchModels.generator`); None otherwise.
     """
 
     name: str
@@ -265,6 +276,7 @@ class Method:
     fixed_k: int | None = None
     backends: tuple[str, ...] = ("torch", "llamacpp")
     needs_gguf: bool = False
+    factory: Callable[[BenchModels], Proposer] | None = None
 
 
 @dataclass(frozen=True)
@@ -284,7 +296,6 @@ class Variant:
 
 
 METHODS: dict[str, Method] = {}
-PROPOSERS: dict[str, Callable[[BenchModels], Proposer]] = {}
 
 
 def register_method(method: Method) -> Method:
@@ -299,11 +310,13 @@ def _engine_run(
     tree: str | None = None,
     dtype: str | None = None,
     fixed_k: int | None = None,
+    factory: Callable[[BenchModels], Proposer] | None = None,
 ) -> RunFn:
-    """Our engine's run function; ``fixed_k`` fixes the method's k (the sweep's k is then ignored)."""
+    """Our engine's run function for the method keyed ``proposer`` (None: target only), whose proposer
+    ``factory`` builds; ``fixed_k`` fixes the method's k (the sweep's k is then ignored)."""
 
     def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
-        generator = models.generator(proposer) if dtype is None else models.target_in(dtype)
+        generator = models.generator(proposer, factory) if dtype is None else models.target_in(dtype)
         sampling = settings.sampling()
         used_k = (fixed_k or k or default_num_speculative_tokens(generator.proposer)) if proposer else None
         tic = time.perf_counter()
@@ -330,8 +343,8 @@ def register_proposer(
     backends: tuple[str, ...] = ("torch", "llamacpp"),
 ) -> Method:
     """Benchmark a proposer: ``factory(models)`` builds it; it becomes the method ``name`` (with k)."""
-    PROPOSERS[name] = factory
-    return register_method(Method(name, _engine_run(name), uses_k=True, needs_draft=needs_draft, backends=backends))
+    run = _engine_run(name, factory=factory)
+    return register_method(Method(name, run, uses_k=True, needs_draft=needs_draft, backends=backends, factory=factory))
 
 
 def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, uses_k: bool = False) -> RunFn:
@@ -472,7 +485,7 @@ def parse_method(text: str) -> Method:
         return _hf_assisted_with(text, match["options"])
     if match is not None and match["name"] == "target" and match["options"]:
         return _target_in(text, match["options"])
-    if match is None or match["name"] not in PROPOSERS:
+    if match is None or match["name"] not in METHODS or METHODS[match["name"]].factory is None:
         raise ValueError(f"unknown method {text!r}; choose from {sorted(METHODS)}, or PROPOSER(option=value)+SCHEDULE")
     name, schedule, tree = match["name"], match["schedule"] or "constant", match["tree"]
     if schedule not in SCHEDULES:
@@ -493,7 +506,7 @@ def parse_method(text: str) -> Method:
             f"method {text!r}: k= must be an integer in [1, {MAX_K}] on a chain (no @tree), got {fixed_k!r}"
         )
     base = METHODS[name]
-    key = label = text  # key: the proposer's entry in PROPOSERS; label: the method's name in the reports
+    key = label = text  # key: the engine's cache key (BenchModels.generator); label: the method's name in reports
     if "label" in options:  # a short name for the reports (a drafter path makes a long one)
         key = str(options.pop("label"))
         if not re.fullmatch(r"[\w.+-]+", key) or key in METHODS:
@@ -515,15 +528,15 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {name!r} takes no options")
         spec = LIBRARY[name]
         config = spec.make_config(**options)
-        PROPOSERS[key] = lambda models: spec.build(
-            config,
-            models.target,
-            (models.other_draft(draft) if draft is not None else models.require_draft()) if spec.needs_draft else None,
-        )
+
+        def factory(models: BenchModels) -> Proposer:
+            other = models.other_draft(draft) if draft is not None else models.require_draft()
+            return spec.build(config, models.target, other if spec.needs_draft else None)
+
     else:
-        PROPOSERS[key] = PROPOSERS[name]
+        factory = base.factory  # type: ignore[assignment]
     needs_draft = base.needs_draft and draft is None
-    run = _engine_run(key, schedule, tree, fixed_k=fixed_k)
+    run = _engine_run(key, schedule, tree, fixed_k=fixed_k, factory=factory)
     return Method(
         label,
         run,
@@ -531,6 +544,7 @@ def parse_method(text: str) -> Method:
         needs_draft=needs_draft,
         fixed_k=fixed_k,
         backends=LIBRARY[name].backends if name in LIBRARY else base.backends,
+        factory=factory,
     )
 
 
