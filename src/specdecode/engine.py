@@ -250,7 +250,7 @@ class SpeculativeGenerator:
         """
         from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
         from specdecode.models.llamacpp import LlamaCppOptions
-        from specdecode.proposers.vocabulary import check_shared_vocabulary
+        from specdecode.proposers.vocabulary import shares_vocabulary
 
         if spec is not None and "llamacpp" not in spec.backends:
             raise ValueError(
@@ -262,10 +262,8 @@ class SpeculativeGenerator:
         draft_path = gguf_path(draft, "draft") if spec is not None and spec.needs_draft else None
         target_model = load_llamacpp(target_path, "target", options)
         draft_model = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
-        if draft_model is not None:
-            if fallback and draft_model.vocab_size != target_model.vocab_size:
-                return None
-            check_shared_vocabulary(target_model, draft_model)  # cross_tokenizer runs on torch only (yet)
+        if draft_model is not None and fallback and not shares_vocabulary(target_model, draft_model):
+            return None  # cross_tokenizer runs on torch only (yet); without fallback the constructor refuses it
         built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_llamacpp_tokenizer(target_model), proposer=built)
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.cli import add_backend_args, add_model_args
-from specdecode.errors import SpecDecodeError
 
 QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -102,13 +101,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "torch") -> Any:
     from specdecode.bench.methods import BenchModels
-    from specdecode.models.backends import gguf_path
+    from specdecode.models.backends import target_gguf
     from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
 
-    try:  # the llama.cpp peers run the target's GGUF file, on either backend
-        gguf = gguf_path(args.target, "target")
-    except (OSError, ValueError, SpecDecodeError):
-        gguf = None
+    gguf = target_gguf(args.target)  # the llama.cpp peers run it, on either backend
     if backend == "llamacpp":
         from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
         from specdecode.models.llamacpp import LlamaCppOptions
@@ -135,14 +131,11 @@ def default_methods(target: str | None, backend: str = "torch") -> list[str]:
     from specdecode.bench.methods import METHODS
     from specdecode.drafters import find_drafter_dir
     from specdecode.drafters.heads import CONFIG_FILE
-    from specdecode.models.backends import gguf_path
+    from specdecode.models.backends import target_gguf
     from specdecode.models.loading import resolve_model_dir
     from specdecode.proposers import PROPOSERS
 
-    try:  # the llama.cpp peers need the target as a GGUF file
-        has_gguf = gguf_path(target, "target") is not None
-    except (OSError, ValueError, SpecDecodeError):
-        has_gguf = False
+    has_gguf = target_gguf(target) is not None  # the llama.cpp peers need the target as a GGUF file
     names = []
     for name in METHODS:
         if backend not in METHODS[name].backends or (METHODS[name].needs_gguf and not has_gguf):

@@ -58,9 +58,7 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend
-    if torch.cuda.is_available() or not llamacpp_available() or (isinstance(dtype, str) and dtype != "auto"):
-        return "torch"
-    if not isinstance(dtype, str):  # a torch dtype
+    if torch.cuda.is_available() or not llamacpp_available() or dtype != "auto":  # a dtype is a torch setting
         return "torch"
     if target is None:
         return "llamacpp"
@@ -93,6 +91,15 @@ def gguf_path(spec: str | Path | None, role: str) -> Path:
             f"--{role}: the llamacpp backend runs .gguf files; {path} is not one (use --backend torch)"
         )
     return path
+
+
+def target_gguf(spec: str | Path | None) -> Path | None:
+    """The target's GGUF file as :func:`gguf_path` finds it, or None when ``spec`` is not one (a
+    Hugging Face folder, a missing file, a packaged model not installed): for the llama.cpp peers."""
+    try:
+        return gguf_path(spec, "target")
+    except (OSError, ValueError):  # ModelNotFoundError is a FileNotFoundError
+        return None
 
 
 def load_llamacpp(spec: str | Path | None, role: str, options: Any = None) -> Any:

@@ -160,7 +160,6 @@ class LlamaCppModel:
         eos = {int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))}
         self.eos_token_ids = frozenset(i for i in eos if i >= 0)
         self.weight_bytes = int(lib.llama_model_size(self._model))
-        self.n_params = int(lib.llama_model_n_params(self._model))
 
     @property
     def dtype(self) -> str:
