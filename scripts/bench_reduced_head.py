@@ -20,7 +20,7 @@ import time
 import torch
 from bench_linear_rows import time_linear  # this script's folder is on sys.path
 
-from specdecode.cli import add_dtype_arg
+from specdecode.commands.common import add_dtype_arg
 from specdecode.models.loading import load_model
 from specdecode.models.quant import DRAFT_QUANTIZATIONS
 from specdecode.models.runner import ModelRunner

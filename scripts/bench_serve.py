@@ -117,7 +117,8 @@ class ServerProcess:
     def __init__(self, args: argparse.Namespace, mode: str, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "specdecode.cli", "serve", "--port", str(self.port), "--speculation", mode]
+        command = [sys.executable, "-m", "specdecode.commands.main", "serve", "--port", str(self.port)]
+        command += ["--speculation", mode]
         command += ["--dtype", args.dtype, "--proposer", args.proposer, "-k", str(args.num_speculative_tokens)]
         command += ["--max-batch-size", str(args.max_batch_size), "--served-model-name", "bench"]
         command += ["--log-level", "info"]  # the cost model measured at start-up is logged

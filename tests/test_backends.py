@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode import SpeculativeGenerator
-from specdecode.cli import main
+from specdecode.commands.main import main
 from specdecode.models import backends
 from specdecode.models.backends import default_proposer, resolve_backend
 
@@ -72,7 +72,7 @@ def test_cli_rejects_bad_threads_and_torch_only_bench_methods(capsys) -> None:
 
 
 def test_an_option_of_several_proposers_gets_each_ones_help() -> None:
-    from specdecode.cli import build_parser
+    from specdecode.commands.main import build_parser
 
     parser = build_parser()
     generate = parser._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ from specdecode.bench.methods import METHODS, BenchModels, BenchSettings, Method
 from specdecode.bench.prompts import GROUPS, load_prompts, load_spec_bench, select, take_per_group
 from specdecode.bench.report import ACCEPTANCE_PNG, SPEEDUP_PNG, load_results, markdown, render
 from specdecode.bench.runner import run_bench, save_results
-from specdecode.cli import main
+from specdecode.commands.main import main
 from specdecode.stats import SpecStats
 
 from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
@@ -113,7 +113,7 @@ def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys, monkeypat
         assert summary[label]["all"]["exact"] == 1.0, label  # greedy: every method reproduces the target
     assert summary["hf_generate"]["all"]["mean_acceptance_length"] is None  # peers have no statistics
 
-    from specdecode.bench.cli import default_methods
+    from specdecode.commands.bench import default_methods
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "empty-cache"))
     names = default_methods(str(target_dir))
@@ -132,8 +132,8 @@ def test_sampled_run_reports_distributional_exactness(models, questions, tmp_pat
 
 
 def test_quick_fills_only_unset_options():
-    from specdecode.bench.cli import _options
-    from specdecode.cli import build_parser
+    from specdecode.commands.bench import _options
+    from specdecode.commands.main import build_parser
 
     args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "32"])
     quick = {"max_new_tokens": 32, "prompts_per_category": 1, "methods": "target,draft_model,hf_assisted"}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdecode.cli import main
+from specdecode.commands.main import main
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -122,7 +122,7 @@ def test_cli_rejects_an_empty_prompt(capsys) -> None:
 
 
 def test_the_cli_default_k_is_the_libraries() -> None:
-    from specdecode.cli import DEFAULT_K
+    from specdecode.commands.common import DEFAULT_K
     from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS
 
     assert DEFAULT_K == DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -156,7 +156,7 @@ def test_targets_are_prepacked_when_loaded_for_speculation(
     without a proposer) and the bench for its target, each before the draft loads (which stays lazy)."""
     import argparse
 
-    from specdecode.bench.cli import _load_models
+    from specdecode.commands.bench import _load_models
     from specdecode.models.loading import load_model
 
     target_dir, draft_dir = model_dirs
@@ -313,8 +313,8 @@ def test_bench_target_in_its_own_dtype_loads_no_second_copy(tiny_target, tiny_to
 def test_cli_dtype_choices_are_the_loader_choices() -> None:
     import argparse
 
-    from specdecode.cli import add_dtype_arg
-    from specdecode.drafters.train import add_train_parser
+    from specdecode.commands.common import add_dtype_arg
+    from specdecode.commands.train_drafter import add_train_parser
     from specdecode.models.loading import DTYPE_CHOICES
 
     parser = argparse.ArgumentParser()

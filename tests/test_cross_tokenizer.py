@@ -385,7 +385,7 @@ def test_one_rule_for_folders_and_loaded_models(model_dirs, pair, toks, monkeypa
 
 
 def test_cli_generate_with_another_tokenizer(model_dirs, capsys) -> None:
-    from specdecode.cli import main
+    from specdecode.commands.main import main
 
     target, draft = str(model_dirs["target"]), str(model_dirs["draft"])
     argv = ["generate", "def mean(values):", "--target", target, "--draft", draft, "--dtype", "float32",

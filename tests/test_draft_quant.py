@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.cli import main
+from specdecode.commands.main import main
 from specdecode.models import quant
 from specdecode.models.quant import count_int8_linears, quantize_int8, resolve_draft_quantization
 from specdecode.proposers import get_spec

@@ -558,7 +558,8 @@ def test_a_shipped_drafter_is_found_by_the_targets_identity_under_another_name(t
 
 
 def test_cli_flags_and_proposer_errors(cases) -> None:
-    from specdecode.cli import build_parser, proposer_options
+    from specdecode.commands.common import proposer_options
+    from specdecode.commands.main import build_parser
 
     args = build_parser().parse_args(
         ["generate", "hi", "--proposer", "eagle", "--drafter", "d", "--draft-confidence", "0.3"]

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdecode.cli import main
+from specdecode.commands.main import main
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.server import BackgroundServer, build_app
 

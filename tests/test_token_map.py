@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.cli import main
+from specdecode.commands.main import main
 from specdecode.errors import MissingDependencyError
 from specdecode.models.loading import load_tokenizer
 from specdecode.models.runner import ModelRunner

@@ -279,7 +279,7 @@ def test_expected_accepted_is_the_sum_of_running_products():
 
 
 def test_cli_trains_on_a_folder_corpus_into_the_default_folder(target, tiny_tokenizer, tmp_path, monkeypatch, capsys):
-    from specdecode.cli import main
+    from specdecode.commands.main import main
     from specdecode.drafters import default_drafter_dir
 
     target_dir, corpus = tmp_path / "tiny-target", tmp_path / "corpus"

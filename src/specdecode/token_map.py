@@ -31,8 +31,6 @@ derived in part from wordfreq's data (Robyn Speer, CC BY-SA 4.0); it holds token
 
 from __future__ import annotations
 
-import argparse
-import json
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -344,26 +342,7 @@ def load_token_map(spec: str | Path) -> torch.Tensor:
     return ids
 
 
-# ---------------------------------------------------------------- command line
-def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``build-token-map`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
-    t = subparsers.add_parser("build-token-map", help="the N most frequent target tokens, for --token-map (FR-Spec)")
-    t.add_argument("--target", help="target whose tokenizer counts: HF model folder or .gguf (default: default target)")
-    t.add_argument("--size", type=int, default=32768, help="N, ids in the map (default 32768)")
-    t.add_argument("--out", help="output .npy or .pt file (default token_map_<N>.npy)")
-    corpus = f"comma list of {', '.join(CORPORA)}, {WORD_LIST_PREFIX}<language> (a word-frequency list) or folders"
-    t.add_argument("--corpus", default=",".join(DEFAULT_CORPUS), help=f"{corpus} (default: {','.join(DEFAULT_CORPUS)})")
-    t.add_argument(
-        "--word-list-weight",
-        type=float,
-        default=DEFAULT_WORD_LIST_WEIGHT,
-        help=f"share of the word-frequency lists in the counts, in (0, 1) (default {DEFAULT_WORD_LIST_WEIGHT})",
-    )
-    t.add_argument("--words", type=int, default=DEFAULT_WORDS, help=f"words per list (default {DEFAULT_WORDS})")
-    t.set_defaults(func=cmd_build_token_map)
-    return t
-
-
+# ---------------------------------------------------------------- a corpus of files and word lists
 def corpus_counts(
     tokenizer: Any,
     sources: Sequence[str],
@@ -409,26 +388,3 @@ def corpus_counts(
         "word_list_weight": word_list_weight if file_sources and languages else None,
     }
     return mix_counts(parts), summary
-
-
-def cmd_build_token_map(args: argparse.Namespace) -> int:
-    """Count the corpus, save the map, print one JSON object: corpus size and coverage per N."""
-    from specdecode.models.loading import load_tokenizer, resolve_model_dir
-
-    sources = [s.strip() for s in args.corpus.split(",") if s.strip()]
-    tokenizer = load_tokenizer(resolve_model_dir(args.target, "target"))
-    counts, made_of = corpus_counts(tokenizer, sources, args.word_list_weight, args.words)
-    always = special_token_ids(tokenizer)
-    token_map = token_map_from_counts(counts, args.size, always)
-    out = save_token_map(token_map, args.out or f"token_map_{args.size}.npy")
-    sizes = sorted(n for n in {*REPORT_SIZES, len(token_map)} if n <= counts.shape[0])
-    summary = {
-        "out": str(out),
-        "size": len(token_map),
-        "corpus": sources,
-        **made_of,
-        "distinct_tokens": int((counts > 0).sum()),
-        "coverage": {n: coverage(counts, token_map_from_counts(counts, n, always[:n])) for n in sizes},
-    }
-    print(json.dumps(summary))
-    return 0

@@ -8,5 +8,5 @@ Same models, same prompts, every method interleaved per prompt; metrics defined 
 - :mod:`~specdecode.bench.runner`: the timed loop and ``results.json``.
 - :mod:`~specdecode.bench.metrics`: pure aggregation of per-prompt records.
 - :mod:`~specdecode.bench.report`: the Markdown tables and PNG plots.
-- :mod:`~specdecode.bench.cli`: the ``bench`` subcommand.
+- the ``bench`` subcommand: :mod:`specdecode.commands.bench`.
 """

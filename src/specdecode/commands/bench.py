@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdecode.cli import add_backend_args, add_model_args
+from specdecode.commands.common import add_backend_args, add_model_args
 
 QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
 DEFAULT_MAX_NEW_TOKENS = 128

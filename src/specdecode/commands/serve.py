@@ -15,7 +15,7 @@ import argparse
 import os
 from typing import Any
 
-from specdecode.cli import DEFAULT_K, add_model_args, add_proposer_args, proposer_options
+from specdecode.commands.common import DEFAULT_K, add_model_args, add_proposer_args, proposer_options
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -1,0 +1,149 @@
+"""``specdecode generate``: one prompt, streamed, with decoding statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from specdecode.commands.common import (
+    DEFAULT_K,
+    add_backend_args,
+    add_model_args,
+    add_proposer_args,
+    backend_options,
+    proposer_options,
+)
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``generate`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    g = subparsers.add_parser("generate", help="generate text for one prompt, streaming, with statistics")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_backend_args(g)
+    add_sampling_args(g, max_new_tokens=256)
+    add_proposer_args(g, auto=True)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")
+    g.add_argument("--compare", action="store_true", help="also run the target alone; report speedup and identity")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.set_defaults(func=cmd_generate)
+    return g
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """``--temperature --top-k --top-p --seed --max-new-tokens -k --schedule --tree``."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"tokens drafted per step, the starting k of a varying schedule (default: the proposer's, "
+        f"{DEFAULT_K}; eagle and medusa 2, prompt_lookup 8, 8 behind --prompt-lookup-min; measured best)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="constant",
+        choices=["constant", "heuristic", "adaptive"],
+        help="k per step: constant (default), heuristic (grow after full acceptance, shrink after a "
+        "rejection), adaptive (heuristic + measured fallback to plain decoding)",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="draft a token tree instead of a chain: a shape name (default, tree8 .. tree32), a JSON file "
+        "of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model and prompt_lookup",
+    )
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """:class:`~specdecode.sampling.SamplingParams` from the parsed flags (validated)."""
+    from specdecode.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(getattr(args, "stop", None) or ()),
+    )
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """A readable table of the decoding statistics on stderr."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decoding statistics", show_header=False)
+    for key, value in stats.items():
+        if key in ("text", "token_ids"):
+            continue
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, list):
+            value = ", ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
+        table.add_row(key, str(value))
+    Console(stderr=True).print(table)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for one prompt: stream the text (or ``--json``), then the statistics."""
+    from specdecode.engine import SpeculativeGenerator, check_num_speculative_tokens
+
+    sampling = sampling_from_args(args)  # validate cheap input before loading anything
+    if args.num_speculative_tokens is not None:
+        check_num_speculative_tokens(args.num_speculative_tokens)
+    if args.tree is not None:
+        from specdecode.tree import parse_tree
+
+        parse_tree(args.tree)
+    if not args.prompt:
+        raise ValueError("prompt must not be empty")
+    if args.proposer == "auto":
+        from specdecode.models.backends import default_proposer, resolve_backend
+
+        args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
+        for option, value in defaults.items():  # options the user set win
+            if getattr(args, option, None) is None:
+                setattr(args, option, value)
+    generator = SpeculativeGenerator.from_pretrained(
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        **backend_options(args),
+        proposer=None if args.no_speculation else args.proposer,
+        **({} if args.no_speculation else proposer_options(args)),
+    )
+    call = dict(
+        sampling=sampling,
+        num_speculative_tokens=args.num_speculative_tokens,
+        raw=args.raw,
+        schedule=args.schedule,
+        tree=args.tree,
+    )
+    speculative = not args.no_speculation
+    if args.json:
+        result = generator.generate(args.prompt, speculative=speculative, **call)
+    else:
+        for _, piece, result in generator.stream_tokens(args.prompt, speculative=speculative, **call):
+            print(piece, end="", flush=True)
+        print()
+    out = result.to_dict()
+    if args.compare:
+        baseline = generator.generate(args.prompt, speculative=False, **call)
+        out["baseline_tokens_per_second"] = baseline.stats.tokens_per_second
+        out["speedup"] = baseline.stats.wall_time_s / result.stats.wall_time_s
+        out["identical"] = baseline.token_ids == result.token_ids
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_stats(out)
+    return 0
