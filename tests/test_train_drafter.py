@@ -9,22 +9,12 @@ import pytest
 import torch
 
 from specdecode.drafters import build_drafter, load_drafter
+from specdecode.drafters.corpus import CHAT_INSTRUCTIONS, chat_texts, function_examples, token_sequences
+from specdecode.drafters.features import collect_features, load_features
 from specdecode.drafters.heads import DrafterConfig
-from specdecode.drafters.train import (
-    CHAT_INSTRUCTIONS,
-    TrainConfig,
-    _classification_loss,
-    chat_texts,
-    collect_features,
-    eagle_loss,
-    expected_accepted,
-    function_examples,
-    load_features,
-    medusa_loss,
-    token_sequences,
-    train_drafter,
-    validate,
-)
+from specdecode.drafters.losses import _classification_loss, eagle_loss, medusa_loss
+from specdecode.drafters.train import TrainConfig, train_drafter
+from specdecode.drafters.validation import expected_accepted, validate
 from specdecode.engine import SpeculativeGenerator
 from specdecode.proposers import make_proposer
 

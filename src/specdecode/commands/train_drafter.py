@@ -15,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.commands.common import add_dtype_arg
+from specdecode.drafters.corpus import chat_texts
+from specdecode.drafters.features import FEATURES_META, collect_features
 from specdecode.drafters.heads import KINDS, target_identity
-from specdecode.drafters.train import (
-    DISTILL,
-    FEATURES_META,
-    SAVE_DTYPES,
-    TrainConfig,
-    chat_texts,
-    collect_features,
-    train_drafter,
-)
+from specdecode.drafters.losses import DISTILL
+from specdecode.drafters.train import SAVE_DTYPES, TrainConfig, train_drafter
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -1,4 +1,13 @@
-"""Trained drafters (Medusa heads, an EAGLE-style head) and their training (``specdecode train-drafter``)."""
+"""Trained drafters (Medusa heads, an EAGLE-style head) and their training (``specdecode train-drafter``).
+
+- :mod:`~specdecode.drafters.heads`: the drafters' modules, their config and files;
+- this package: where a target's drafter is saved and found (the user's own, or a shipped one);
+- training: :mod:`~specdecode.drafters.corpus` (the training text),
+  :mod:`~specdecode.drafters.features` (the target's features and predictions, in shards),
+  :mod:`~specdecode.drafters.losses`, :mod:`~specdecode.drafters.validation` (agreement with the
+  target on held-out sequences) and :mod:`~specdecode.drafters.train` (the loop, checkpoints, the
+  report).
+"""
 
 from __future__ import annotations
 

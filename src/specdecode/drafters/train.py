@@ -1,61 +1,42 @@
 """Train a drafter on the target's own features and predictions (self-distillation).
 
-``specdecode train-drafter --kind medusa|eagle --out DIR`` does two things:
+``specdecode train-drafter --kind medusa|eagle --out DIR`` (:mod:`specdecode.commands.train_drafter`)
+does two things:
 
-1. **Features** (:func:`collect_features`): text that installs offline (the Python standard
-   library's source, :func:`specdecode.token_map.corpus_files`; never the benchmark
-   prompts) is tokenised and cut into sequences of ``seq_len`` tokens; the target runs over each
-   (no gradient) and we keep, per position p, the token ``x_p``, the feature ``f_p`` (final hidden
-   state after the norm, bfloat16) and ``y_p = argmax lm_head(f_p)``, the target's own prediction
-   of token ``p + 1``. Those predictions are the labels: no other model and no labelled data are
-   needed (Medusa-2's and EAGLE's self-distillation, here on the target's predictions over corpus
-   text rather than on its generations, which would take hours on a CPU). Saved as safetensors
-   shards in a features folder that both kinds reuse. With ``--chat`` (:func:`chat_texts`) the
-   corpus's documented functions become chat examples in the target's chat template (complete this
-   function -> the function), the format and the copying an instruct target meets on code requests;
-   ``--extra-features`` trains on several features folders at once.
+1. **Features** (:func:`~specdecode.drafters.features.collect_features`): the corpus
+   (:mod:`specdecode.drafters.corpus`: text that installs offline, never the benchmark prompts; with
+   ``--chat``, chat examples made from its functions) is cut into sequences of ``seq_len`` tokens,
+   and the target's features and predictions over them are saved in a features folder
+   (:mod:`specdecode.drafters.features`) that both kinds reuse; ``--extra-features`` trains on
+   several features folders at once.
 2. **Training** (:func:`train_drafter`): AdamW on the drafter only (the target is frozen; the
-   drafter scores with the target's LM head rows of a token map built from the labels' counts).
-
-   - Medusa head i at position p: cross-entropy of its scores against ``y_{p+i}`` (the target's
-     prediction of token ``p + 1 + i``), weighted ``0.8 ** (i - 1)`` (Medusa's decay).
-   - EAGLE at position p: input (``x_{p+1}``, ``f_p`` + uniform noise in ±``noise``, EAGLE-1's
-     augmentation), output ``f^_{p+1}``; loss = SmoothL1(``f^_{p+1}``, ``f_{p+1}``) (feature
-     regression) + ``cls_weight`` x cross-entropy of its scores against ``y_{p+1}``. With
-     ``ttt_steps`` D > 1 the head is also unrolled D - 1 more steps on its own predicted features, as
-     it drafts, and scored at each (EAGLE-3's training-time test; :func:`eagle_loss`).
-
-   A progress bar (tqdm), a step and a time budget, validation of top-1 agreement with the target
-   on held-out sequences every ``val_every`` steps, a checkpoint (drafter, optimiser, step, data
-   order) every ``save_every`` steps and at the end; ``resume=True`` continues from it.
+   drafter scores with the target's LM head rows of a token map built from the labels' counts), on
+   the losses of :mod:`specdecode.drafters.losses`. A progress bar (tqdm), a step and a time budget,
+   validation of top-1 agreement with the target on held-out sequences
+   (:mod:`specdecode.drafters.validation`) every ``val_every`` steps, a checkpoint (drafter,
+   optimiser, step, data order) every ``save_every`` steps and at the end; ``resume=True``
+   continues from it.
 
 The final report (saved in ``drafter.json`` under ``training``) gives the top-1 agreement per draft
 position on the held-out sequences and the expected number of accepted tokens per step for a chain
-of k drafts, ``sum_j prod_{i<=j} a_i`` (greedy, treating positions as independent).
-For EAGLE, position j > 1 is measured autoregressively, as drafting runs (the head's own predicted
-features, attending to the true pairs before the rollout and to its own earlier steps), with the
-corpus tokens as token inputs.
+of k drafts (:func:`~specdecode.drafters.validation.expected_accepted`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from specdecode.drafters.features import FEATURES_META, load_features
 from specdecode.drafters.heads import (
     KINDS,
     DrafterConfig,
@@ -66,234 +47,13 @@ from specdecode.drafters.heads import (
     save_drafter,
     target_identity,
 )
+from specdecode.drafters.losses import DISTILL, eagle_loss, medusa_loss
+from specdecode.drafters.validation import expected_accepted, validate
 
-FEATURES_META = "features.json"
 CHECKPOINT = "checkpoint.pt"
-DISTILL = ("top1", "soft")
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-# ---------------------------------------------------------------- features
-def token_sequences(tokenizer: Any, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
-    """Sequences of exactly ``seq_len`` token ids from ``texts`` joined by EOS, at most ``max_tokens`` in all."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    buffer: list[int] = []
-    made = 0
-    for text in texts:
-        buffer.extend(tokenizer.encode(text, add_special_tokens=False))
-        if eos is not None:
-            buffer.append(int(eos))
-        while len(buffer) >= seq_len:
-            if made + seq_len > max_tokens:
-                return
-            yield buffer[:seq_len]
-            buffer = buffer[seq_len:]
-            made += seq_len
-
-
-CHAT_INSTRUCTIONS = (
-    "Complete the following Python function:",
-    "Implement this Python function.",
-    "Write the body of the function below.",
-    "Finish this code:",
-    "Here is a function signature and its docstring. Write the implementation.",
-)
-
-
-def function_examples(text: str, max_lines: int = 80) -> Iterator[tuple[str, str]]:
-    """``(header, function)`` pairs from Python source: every function or method with a docstring and
-    at least two statements after it, at most ``max_lines`` lines, dedented; ``header`` is the ``def``
-    line(s) and the docstring, ``function`` the whole definition. Source that does not parse yields nothing."""
-    import ast
-    import textwrap
-
-    try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
-        return
-    lines = text.splitlines()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or ast.get_docstring(node) is None:
-            continue
-        if len(node.body) < 3 or node.end_lineno is None or node.end_lineno - node.lineno >= max_lines:
-            continue
-        doc_end = node.body[0].end_lineno or node.lineno
-        whole = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-        header_lines = doc_end - node.lineno + 1
-        yield "\n".join(whole.splitlines()[:header_lines]) + "\n", whole + "\n"
-
-
-def chat_texts(tokenizer: Any, texts: Iterable[str], seed: int = 0) -> Iterator[str]:
-    """Chat examples in the target's chat template, made from the functions of Python source.
-
-    Each function with a docstring (:func:`function_examples`) becomes one user turn (an instruction
-    from :data:`CHAT_INSTRUCTIONS`, picked at random, and the function's signature and docstring in a
-    code block) and one assistant turn (the whole function in a code block). It teaches a drafter the
-    chat format and the copying that an instruct target does when asked to complete code (its answer
-    starts by repeating the signature and docstring), without generating anything: the labels are
-    still the target's own predictions over these texts.
-
-    Args:
-        tokenizer: the target's tokenizer, with a chat template.
-        texts: Python source texts (e.g. ``read_texts(corpus_files(["stdlib"]))``).
-        seed: the instruction choice.
-
-    Yields:
-        the rendered chat (str), one per function.
-
-    Raises:
-        ValueError: the tokenizer has no chat template.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat examples need a tokenizer with a chat template")
-    pick = random.Random(seed)
-    for text in texts:
-        for header, function in function_examples(text):
-            messages = [
-                {"role": "user", "content": f"{pick.choice(CHAT_INSTRUCTIONS)}\n```python\n{header}```"},
-                {"role": "assistant", "content": f"```python\n{function}```"},
-            ]
-            yield tokenizer.apply_chat_template(messages, tokenize=False)
-
-
-@torch.inference_mode()
-def target_features(target: PreTrainedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's features and predictions over a batch of sequences.
-
-    Args:
-        target: the target causal LM (eval mode).
-        ids: int64 ``[B, L]``.
-
-    Returns:
-        ``(features bfloat16 [B, L, H], predictions int64 [B, L])``: ``f_p`` and ``argmax lm_head(f_p)``.
-    """
-    hidden = target.get_decoder()(input_ids=ids.to(target.device), use_cache=False).last_hidden_state  # (B, L, H)
-    predictions = target.get_output_embeddings()(hidden).argmax(-1)  # (B, L)
-    return hidden.to("cpu", torch.bfloat16), predictions.to("cpu")
-
-
-def collect_features(
-    target: PreTrainedModel,
-    tokenizer: Any,
-    texts: Iterable[str],
-    out_dir: str | Path,
-    max_tokens: int,
-    seq_len: int = 512,
-    batch_size: int = 4,
-    shard_sequences: int = 64,
-    progress: bool = True,
-    source: str = "",
-) -> Path:
-    """Run the target over the corpus and save features, tokens and predictions in shards.
-
-    Resumable: shards already in ``out_dir`` are kept and their sequences skipped; each shard is
-    written atomically with ``features.json`` after it, so a run stopped at any moment loses at most
-    the sequences of the shard in progress.
-
-    Args:
-        target, tokenizer: the target and its tokenizer.
-        texts: the corpus (e.g. ``read_texts(corpus_files(["stdlib"]))``).
-        out_dir: the features folder (``shard-00000.safetensors`` ..., ``features.json``).
-        max_tokens: corpus tokens to process (a multiple of ``seq_len`` is used).
-        seq_len: tokens per sequence.
-        batch_size: sequences per target pass.
-        shard_sequences: sequences per shard file.
-        progress: show a tqdm bar.
-        source: a description of the corpus for the report.
-
-    Returns:
-        ``out_dir``.
-
-    Raises:
-        ValueError: ``max_tokens < seq_len`` or a features folder made for another target or shape.
-    """
-    from tqdm.auto import tqdm
-
-    if max_tokens < seq_len or seq_len < 2:
-        raise ValueError(f"max_tokens ({max_tokens}) must be >= seq_len ({seq_len}) >= 2")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    identity = target_identity(target)
-    meta_path = out / FEATURES_META
-    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if meta and (meta.get("target", {}).get("weights_hash") != identity["weights_hash"] or meta["seq_len"] != seq_len):
-        raise ValueError(f"features folder {out} was made for another target or seq_len; use another --features")
-    done = sorted(out.glob("shard-*.safetensors"))
-    have = 0
-    for path in done:  # sequences per shard, read from the header (no tensor is loaded)
-        with safe_open(str(path), "pt") as shard_file:
-            have += int(shard_file.get_slice("tokens").get_shape()[0])
-    wanted = max_tokens // seq_len
-    sequences = token_sequences(tokenizer, texts, seq_len, wanted * seq_len)
-    for _ in range(have):  # skip what earlier runs saved
-        next(sequences, None)
-    tic = time.perf_counter()
-    bar = tqdm(total=wanted, initial=have, unit="seq", desc="features", disable=not progress)
-    shard: dict[str, list[torch.Tensor]] = {"tokens": [], "features": [], "predictions": []}
-    index = len(done)
-
-    def write_meta() -> None:
-        meta_path.write_text(
-            json.dumps(
-                {
-                    "target": identity,
-                    "seq_len": seq_len,
-                    "sequences": count,
-                    "tokens": count * seq_len,
-                    "source": source or meta.get("source", ""),
-                    "seconds": round(float(meta.get("seconds", 0.0)) + time.perf_counter() - tic, 1),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-
-    def flush() -> None:
-        """Save the shard (atomically: a run killed mid-write leaves no half shard) and the metadata."""
-        nonlocal index
-        if shard["tokens"]:
-            tensors = {key: torch.cat(value) for key, value in shard.items()}
-            path = out / f"shard-{index:05d}.safetensors"
-            partial = path.with_name(path.name + ".partial")
-            save_file(tensors, str(partial))
-            partial.replace(path)
-            index += 1
-            for value in shard.values():
-                value.clear()
-            write_meta()
-
-    count = have
-    while batch := list(islice(sequences, batch_size)):
-        ids = torch.tensor(batch, dtype=torch.int64)  # (B, L)
-        features, predictions = target_features(target, ids)
-        shard["tokens"].append(ids)
-        shard["features"].append(features)
-        shard["predictions"].append(predictions)
-        count += len(batch)
-        bar.update(len(batch))
-        if sum(t.shape[0] for t in shard["tokens"]) >= shard_sequences:
-            flush()
-    flush()
-    bar.close()
-    write_meta()
-    return out
-
-
-def load_features(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All shards of a features folder: ``tokens`` int64 ``[S, L]``, ``features`` bfloat16 ``[S, L, H]``,
-    ``predictions`` int64 ``[S, L]``.
-
-    Raises:
-        FileNotFoundError: no shards in ``folder``.
-    """
-    paths = sorted(Path(folder).glob("shard-*.safetensors"))
-    if not paths:
-        raise FileNotFoundError(f"no feature shards in {folder}")
-    shards = [load_file(str(p)) for p in paths]
-    return {key: torch.cat([s[key] for s in shards]) for key in ("tokens", "features", "predictions")}
-
-
-# ---------------------------------------------------------------- training
 @dataclass
 class TrainConfig:
     """Training options (``specdecode train-drafter`` flags of the same names).
@@ -321,8 +81,8 @@ class TrainConfig:
         loss_positions: positions per sequence where the LM-head losses are computed each step
             (random; None: all). The LM-head rows dominate a step's cost on a CPU.
         ttt_steps: EAGLE: draft steps unrolled per training step on the head's own predicted
-            features (EAGLE-3's training-time test, see :func:`eagle_loss`); 1 = teacher forcing
-            only (EAGLE-1). Each step costs about one more forward and LM-head product.
+            features (EAGLE-3's training-time test, see :func:`~specdecode.drafters.losses.eagle_loss`);
+            1 = teacher forcing only (EAGLE-1). Each step costs about one more forward and LM-head product.
         seed: data order and initialisation.
         save_dtype: ``"bfloat16"`` (default, half the file) or ``"float32"``: the dtype of the saved
             drafter's weights (training and ``checkpoint.pt`` stay float32; loading casts to the
@@ -387,213 +147,6 @@ def _column_labels(labels: torch.Tensor, head_ids: torch.Tensor, vocab_size: int
     return column[labels]
 
 
-def _sample_positions(B: int, span: int, count: int | None, generator: torch.Generator | None) -> torch.Tensor:
-    """int64 ``[B, m]``: ``m = min(count, span)`` distinct positions in ``[0, span)`` per row (all if None)."""
-    if count is None or count >= span:
-        return torch.arange(span).expand(B, span)
-    return torch.stack([torch.randperm(span, generator=generator)[:count] for _ in range(B)])
-
-
-def _classification_loss(
-    drafter: MedusaHeads | EagleHead, logits: torch.Tensor, target: torch.Tensor, teacher: torch.Tensor | None
-) -> torch.Tensor:
-    """Cross-entropy of ``logits`` float32 ``[..., N]`` against the target's predictions.
-
-    ``teacher`` None: hard labels ``target`` (map columns, -100 ignored). Otherwise ``teacher`` is the
-    target's true feature ``[..., H]`` at the labelled position and the label is its distribution over
-    the token map (soft cross-entropy = KL distillation up to the teacher's entropy).
-    """
-    if teacher is None:
-        return F.cross_entropy(logits.flatten(0, -2), target.flatten(), ignore_index=-100)
-    with torch.no_grad():
-        probs = torch.softmax(drafter.logits(teacher), dim=-1)  # (..., N)
-    return -(probs * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-
-
-def medusa_loss(
-    drafter: MedusaHeads,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    loss_positions: int | None = None,
-    generator: torch.Generator | None = None,
-    distill: str = "top1",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Medusa loss on a batch.
-
-    Args:
-        features: ``[B, L, H]``.
-        labels: int64 ``[B, L]`` map columns of the target's predictions ``y_p`` (-100 outside the map).
-        loss_positions: positions per sequence the loss is computed at (random, distinct; None: all).
-            The LM-head rows dominate the cost, so a sample keeps a CPU step short.
-        generator: for the sample.
-        distill: ``"top1"`` or ``"soft"`` (see :class:`TrainConfig`).
-
-    Returns:
-        ``(loss, correct [K], counted [K])``: the weighted cross-entropy and per-head top-1 hits.
-    """
-    K = drafter.config.num_heads
-    B, L = labels.shape
-    picked = _sample_positions(B, L - K, loss_positions, generator)  # (B, m): positions p
-    rows = torch.arange(B).view(B, 1)
-    hidden = drafter(features[rows, picked].float())  # (B, m, K, H)
-    total = features.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(K, dtype=torch.int64)
-    counted = torch.zeros(K, dtype=torch.int64)
-    for i in range(1, K + 1):
-        logits = drafter.logits(hidden[:, :, i - 1])  # (B, m, N)
-        target = labels[rows, picked + i]  # y_{p+i}
-        teacher = features[rows, picked + i] if distill == "soft" else None  # f_{p+i}
-        total = total + 0.8 ** (i - 1) * _classification_loss(drafter, logits, target, teacher)
-        with torch.no_grad():
-            valid = target >= 0
-            correct[i - 1] = int(((logits.argmax(-1) == target) & valid).sum())
-            counted[i - 1] = int(valid.sum())
-    return total, correct, counted
-
-
-def rollout_mask(span: int, step: int, batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The additive attention mask of rollout step ``step`` (1-based) over ``span`` rollouts at once.
-
-    Rollout p (started from the true feature ``f_p``) sees the true pairs q <= p, which the head's cache
-    holds from step 1, and its own earlier steps only (one diagonal block per earlier step), as it does
-    when drafting. Step 1 needs no mask (causal over the true pairs): returns None.
-
-    Returns:
-        ``{"full_attention": [batch, 1, span, span * step]}`` of ``dtype`` (0 allowed, dtype min masked).
-    """
-    if step == 1:
-        return None
-    lower = torch.ones(span, span, dtype=torch.bool).tril()
-    eye = torch.eye(span, dtype=torch.bool)
-    allowed = torch.cat([lower] + [eye] * (step - 1), dim=1)  # (span, span * step)
-    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return {"full_attention": additive.view(1, 1, *allowed.shape).expand(batch, 1, *allowed.shape)}
-
-
-def eagle_loss(
-    drafter: EagleHead,
-    tokens: torch.Tensor,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    noise: float,
-    cls_weight: float,
-    loss_positions: int | None = None,
-    generator: torch.Generator | None = None,
-    distill: str = "top1",
-    ttt_steps: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EAGLE loss on a batch (see the module docstring).
-
-    Step 1 is teacher forcing: input ``f_p`` (+ noise) and ``x_{p+1}``, output ``f^_{p+1}``. With
-    ``ttt_steps`` D > 1, the head is also unrolled as it drafts (EAGLE-3's "training-time test", Li et
-    al. 2025, arXiv 2503.01840; HASS, Zhang et al. 2024, arXiv 2408.15766): step j takes its own
-    ``f^_{p+j-1}`` of step j - 1 (gradients flow through it) with ``x_{p+j}``, attends to the true
-    pairs up to p and to its own earlier steps (:func:`rollout_mask`), and is scored against
-    ``f_{p+j}`` and ``y_{p+j}``; the loss of step j is weighted ``0.8 ** (j - 1)`` (Medusa's decay),
-    so the first position, which matters most for acceptance, keeps the largest weight. D = 1 is
-    EAGLE-1's teacher forcing; rollouts start at p = 0 .. L - 1 - D.
-
-    Args:
-        tokens: int64 ``[B, L]``; features: ``[B, L, H]``; labels: int64 ``[B, L]`` map columns of ``y_p``.
-        noise, cls_weight: see :class:`TrainConfig` (noise on step 1's true features only).
-        loss_positions: positions per sequence the classification loss is computed at, per step
-            (random; None: all); the regression loss uses every position.
-        generator: for the sample.
-        distill: ``"top1"`` or ``"soft"`` (see :class:`TrainConfig`).
-        ttt_steps: D >= 1, the draft steps unrolled (1 <= D < L).
-
-    Returns:
-        ``(loss, correct [D], counted [D])``: top-1 hits and labels counted per step.
-
-    Raises:
-        ValueError: ``ttt_steps`` outside ``[1, L)``.
-    """
-    B, L = tokens.shape
-    if not isinstance(ttt_steps, int) or not 1 <= ttt_steps < L:
-        raise ValueError(f"ttt_steps must be an integer in [1, {L}) for sequences of {L} tokens, got {ttt_steps!r}")
-    span = L - ttt_steps  # rollouts start at p = 0 .. span - 1
-    current = features[:, :span].float()
-    if noise > 0:
-        current = current + (torch.rand_like(current) * 2 - 1) * noise
-    cache = drafter.new_cache() if ttt_steps > 1 else None
-    dtype = drafter.fc.weight.dtype
-    rows = torch.arange(B).view(B, 1)
-    total = features.new_zeros((), dtype=torch.float32)
-    correct = torch.zeros(ttt_steps, dtype=torch.int64)
-    counted = torch.zeros(ttt_steps, dtype=torch.int64)
-    for j in range(1, ttt_steps + 1):
-        positions = torch.arange(j, span + j).expand(B, span)
-        mask = rollout_mask(span, j, B, dtype)
-        predicted = drafter(current, tokens[:, j : span + j], positions, cache, mask)  # (B, span, H): f^_{p+j}
-        truth = features[:, j : span + j]  # f_{p+j}
-        regression = F.smooth_l1_loss(predicted.float(), truth.float())
-        picked = _sample_positions(B, span, loss_positions, generator)  # (B, m)
-        logits = drafter.logits(predicted[rows, picked])  # (B, m, N)
-        target = labels[:, j : span + j][rows, picked]
-        teacher = truth[rows, picked] if distill == "soft" else None
-        classification = _classification_loss(drafter, logits, target, teacher)
-        total = total + 0.8 ** (j - 1) * (regression + cls_weight * classification)
-        with torch.no_grad():
-            valid = target >= 0
-            correct[j - 1] = int(((logits.argmax(-1) == target) & valid).sum())
-            counted[j - 1] = int(valid.sum())
-        current = predicted
-    return total, correct, counted
-
-
-@torch.no_grad()
-def validate(
-    drafter: MedusaHeads | EagleHead,
-    tokens: torch.Tensor,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    depth: int = 4,
-    batch_size: int = 4,
-) -> list[float]:
-    """Top-1 agreement with the target per draft position 1..depth on held-out sequences.
-
-    Medusa: head j's top-1 against ``y_{p+j}``. EAGLE: position 1 from the true feature ``f_p``;
-    position j > 1 autoregressive from its own predicted features (token inputs: the target's
-    tokens ``x``), scored against ``y_{p+j}``.
-
-    Returns:
-        ``[depth]`` agreements in [0, 1] (Medusa: ``min(depth, K)`` of them).
-    """
-    drafter.eval()
-    hits = torch.zeros(depth, dtype=torch.float64)
-    total = torch.zeros(depth, dtype=torch.float64)
-    L = tokens.shape[1]
-    for start in range(0, tokens.shape[0], batch_size):
-        x = tokens[start : start + batch_size]
-        f = features[start : start + batch_size].float()
-        y = labels[start : start + batch_size]
-        if isinstance(drafter, MedusaHeads):
-            K = min(depth, drafter.config.num_heads)
-            hidden = drafter(f[:, : L - K])  # (B, L - K, K, H)
-            for j in range(1, K + 1):
-                target = y[:, j : L - K + j]
-                valid = target >= 0
-                hits[j - 1] += float(((drafter.logits(hidden[:, :, j - 1]).argmax(-1) == target) & valid).sum())
-                total[j - 1] += float(valid.sum())
-            continue
-        # EAGLE: the training loss's rollout of ``depth`` steps (no noise), scored at every position
-        _, correct, counted = eagle_loss(drafter, x, f, y, noise=0.0, cls_weight=0.0, ttt_steps=depth)
-        hits += correct.double()
-        total += counted.double()
-    drafter.train()
-    kept = total > 0
-    return (hits[kept] / total[kept]).tolist()
-
-
-def expected_accepted(agreement: list[float]) -> float:
-    """``sum_j prod_{i<=j} a_i``: expected accepted drafts per step of a chain (independence assumed)."""
-    out, running = 0.0, 1.0
-    for a in agreement:
-        running *= a
-        out += running
-    return out
-
-
 def train_drafter(
     target: PreTrainedModel,
     features_dir: str | Path | Sequence[str | Path],
@@ -608,8 +161,9 @@ def train_drafter(
 
     Args:
         target: the frozen target (its LM head rows score the drafter's outputs).
-        features_dir: a folder made by :func:`collect_features` for this target, or several (one
-            ``seq_len``): trained on together, each holding out its last ``val_fraction`` of sequences.
+        features_dir: a folder made by :func:`~specdecode.drafters.features.collect_features` for this
+            target, or several (one ``seq_len``): trained on together, each holding out its last
+            ``val_fraction`` of sequences.
         out_dir: where the drafter (and ``checkpoint.pt``) go.
         config: :class:`TrainConfig`.
         always_ids: token ids always in the token map (the tokenizer's special tokens).
