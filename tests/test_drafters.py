@@ -27,7 +27,7 @@ from specdecode.proposers import (
     MedusaProposer,
     make_proposer,
 )
-from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, default_num_speculative_tokens
+from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, ProposerBase, default_num_speculative_tokens
 from specdecode.proposers.hybrid import with_prompt_lookup
 from specdecode.tree import children_lists, parse_tree
 
@@ -253,13 +253,14 @@ def medusa_reference(drafter: MedusaHeads, target, context: torch.Tensor) -> tor
         return drafter.logits(drafter(feature))
 
 
-class Recorder:
+class Recorder(ProposerBase):
     """Wraps a proposer; keeps (context, draft) of every proposal."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.name = inner.name
         self.needs_target_features = True
+        self.supports_tree = inner.supports_tree
         self.calls: list[tuple[torch.Tensor, object]] = []
 
     def reset(self) -> None:

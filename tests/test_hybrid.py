@@ -19,6 +19,7 @@ from specdecode.proposers import (
     get_spec,
     make_proposer,
 )
+from specdecode.proposers.base import ProposerBase
 from specdecode.proposers.hybrid import with_prompt_lookup
 
 from conftest import make_tiny_model
@@ -31,7 +32,7 @@ PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 41, 42, 43], [7, 8]]
 NEW = 40
 
 
-class Spy:
+class Spy(ProposerBase):
     """A model proposer that drafts ``[99] * k`` and counts its calls."""
 
     name = "spy"
@@ -151,3 +152,26 @@ def test_sampled_tokens_follow_the_target() -> None:
     assert 0 < accepted < drafted
     for pos in range(3):
         assert chi_square_p([r.token_ids[pos] for r in samples], exact[pos]) > P_MIN, f"position {pos}"
+
+
+def test_a_proposer_without_the_protocol_members_is_a_clear_error(tiny_pair) -> None:
+    """The engine reads capabilities, never probes for them: a duck-typed proposer that does not
+    declare them is refused up front, naming what is missing."""
+    from specdecode.proposers.base import check_proposer
+
+    class Bare:
+        name = "bare"
+
+        def propose(self, context, num_tokens, sampling, generator) -> DraftTokens:
+            return DraftTokens.empty()
+
+    with pytest.raises(TypeError, match="lacks supports_tree, needs_target_features, default_num_speculative_tokens"):
+        SpeculativeGenerator(tiny_pair["target"], proposer=Bare())
+
+    class TreeWithoutMethod(ProposerBase):
+        supports_tree = True
+
+    with pytest.raises(TypeError, match="supports_tree but has no propose_tree"):
+        check_proposer(TreeWithoutMethod())
+    check_proposer(Spy())  # ProposerBase declares every capability
+    assert not Spy.supports_tree and not Spy.needs_target_features and Spy.default_num_speculative_tokens == 4

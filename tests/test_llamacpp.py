@@ -16,7 +16,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import ModelNotFoundError
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import logits_to_probs
 from specdecode.verify import VerifyResult
 
@@ -118,7 +118,7 @@ def test_fast_mode_verifies_in_one_pass(target) -> None:
     assert runner.passes - before == 1 and logits.shape == (12, fast.vocab_size)
 
 
-class Scripted:
+class Scripted(ProposerBase):
     """A proposer that drafts from a known continuation: ``agree`` of each draft's tokens right
     (all: fully, 0: never; the rest wrong by one id)."""
 

@@ -11,6 +11,7 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.models.compat import cache_kwargs
 from specdecode.models.runner import ModelRunner
+from specdecode.proposers.base import ProposerBase
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prompt_lookup import PromptLookupProposer, find_continuations
 from specdecode.tree import (
@@ -282,11 +283,12 @@ def test_greedy_tree_equals_target_only(tiny_pair, draft_name: str, tree) -> Non
         assert 1.3 < mean < depth + 1
 
 
-class OracleTree:
+class OracleTree(ProposerBase):
     """Knows target-only greedy output; every step offers a wrong first child and the right token
     as the second, at every depth: only non-first branches are ever correct."""
 
     name = "oracle_tree"
+    supports_tree = True
 
     def __init__(self, prompt: list[int], answer: list[int], V: int) -> None:
         self.full = prompt + answer
@@ -352,9 +354,9 @@ def test_tree_errors(tiny_pair) -> None:
     with pytest.raises(ValueError, match="tree must be"):
         spec.generate([1, 2], SamplingParams(max_new_tokens=4), tree="bogus")
     chains_only = SpeculativeGenerator(tiny_pair["target"], proposer=SuffixProposer())
-    if not hasattr(SuffixProposer, "propose_tree"):
-        with pytest.raises(ValueError, match="drafts chains only"):
-            chains_only.generate([1, 2], SamplingParams(max_new_tokens=4), tree="tree8")
+    assert not SuffixProposer.supports_tree
+    with pytest.raises(ValueError, match="drafts chains only"):
+        chains_only.generate([1, 2], SamplingParams(max_new_tokens=4), tree="tree8")
 
 
 # ------------------------------------------------------------------ sampled distribution

@@ -21,7 +21,6 @@ features of context positions ``0 .. T - 2``.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,14 +30,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.decode_state import DecodeState
 from specdecode.models.backends import backend_of, make_runner
-from specdecode.proposers.base import DraftTokens, Proposer, default_num_speculative_tokens
+from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.vocabulary import check_shared_vocabulary
 from specdecode.sampling import SamplingParams
 from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
-from specdecode.text import StopStringStream
 from specdecode.tree import TreeSpec, parse_tree, tree_attention
 from specdecode.verify import VerifyResult, verify, verify_tree
 
@@ -91,8 +90,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def needs_features(proposer: Proposer | None) -> bool:
-    """Whether ``proposer`` reads the target's features (its ``needs_target_features`` attribute)."""
-    return bool(getattr(proposer, "needs_target_features", False))
+    """Whether ``proposer`` reads the target's features (its ``needs_target_features``; False for None)."""
+    return proposer is not None and proposer.needs_target_features
 
 
 def _pass(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,6 +128,8 @@ class SpeculativeGenerator:
     Raises:
         IncompatibleModelsError: the draft's vocabulary size differs from the target's.
         ValueError: both ``draft`` and ``proposer`` were given.
+        TypeError: ``proposer`` does not declare the :class:`~specdecode.proposers.base.Proposer`
+            protocol's members (subclass :class:`~specdecode.proposers.base.ProposerBase`).
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class SpeculativeGenerator:
         if draft is not None:
             proposer = DraftModelProposer(draft)
         if proposer is not None:
+            check_proposer(proposer)
             check_shared_vocabulary(self.target, proposer)
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids(target, tokenizer)
@@ -305,94 +307,66 @@ class SpeculativeGenerator:
         return torch.tensor(ids, dtype=torch.int64)
 
     # ------------------------------------------------------------------ the loop
-    def _steps(
-        self,
-        prompt_ids: torch.Tensor,
-        sampling: SamplingParams,
-        schedule: SpeculationSchedule,
-        proposer: Proposer | None,
-        stats: SpecStats,
-        generator: torch.Generator,
-        tree: TreeSpec | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the new tokens of each target pass (int64 ``[n + 1]``); the caller decides when to stop."""
-        target = self.target
+    def _decode(
+        self, state: DecodeState, schedule: SpeculationSchedule, tree: TreeSpec | None = None
+    ) -> Iterator[tuple[list[int], str]]:
+        """Run ``state`` to its end; yield each target pass's ``(new token ids, new text)``."""
+        target, proposer, stats, sampling = self.target, state.proposer, state.stats, state.sampling
         target.reset()
         if proposer is not None:
             proposer.reset()
-        T = prompt_ids.shape[0]
-        context = torch.empty(T + sampling.max_new_tokens + schedule.max_k + 1, dtype=torch.int64)  # preallocated
-        context[:T] = prompt_ids
         features = needs_features(proposer)
 
         tic = time.perf_counter()
-        logits, hidden = _pass(target.forward(prompt_ids, num_logits=1, return_hidden=features))  # (1, V): prefill
-        if hidden is not None:
-            proposer.observe_features(hidden)  # type: ignore[union-attr]  # (T, H): every prompt position
+        logits, hidden = _pass(
+            target.forward(state.prompt_ids, num_logits=1, return_hidden=features)
+        )  # (1, V): prefill
         stats.prefill_time_s += time.perf_counter() - tic
-        stats.target_forward_passes += 1
-        result = verify(DraftTokens.empty().ids, None, logits, sampling, generator)
-        while True:
-            context[T : T + result.tokens.shape[0]] = result.tokens
-            T += result.tokens.shape[0]
-            yield result.tokens
+        state.after_prefill(hidden)  # (T, H): every prompt position
+        result = verify(DraftTokens.empty().ids, None, logits, sampling, state.generator)
+        yield state.append(result.tokens)
+        while state.finish_reason is None:
             # context[:T] is known; the target has cached context[:T - 1].
-            room = min(sampling.max_new_tokens - (T - prompt_ids.shape[0]), target.max_length - T) - 1
+            room = state.room()
             if tree is not None and proposer is not None and room > 0:
-                result = self._tree_step(context[:T], tree, room, proposer, sampling, stats, generator)  # 1.-5.
+                result = self._tree_step(state, tree, room)  # 1.-5.
+                yield state.append(result.tokens)
                 continue
             k_step = min(schedule.next_k(), room) if proposer is not None else 0
             tic = time.perf_counter()
-            draft = (
-                proposer.propose(context[:T], k_step, sampling, generator) if k_step > 0 else DraftTokens.empty()
-            )  # 1.
+            draft = state.propose(k_step)  # 1.
             toc = time.perf_counter()
             hint = draft.ids if sampling.greedy and len(draft) else None  # a split pass may stop at a mismatch
             logits, hidden = _pass(
-                target.forward(
-                    torch.cat([context[T - 1 : T], draft.ids]),
-                    len(draft) + 1,
-                    return_hidden=features,
-                    greedy_draft=hint,
-                )
+                target.forward(state.step_input(draft.ids), len(draft) + 1, return_hidden=features, greedy_draft=hint)
             )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
             stats.draft_time_s += toc - tic
             stats.target_time_s += time.perf_counter() - toc
-            stats.target_forward_passes += 1
             scored = logits.shape[0] - 1  # drafts scored: the rejection is among them (greedy), same result
-            result = verify(draft.ids[:scored], draft.probs, logits, sampling, generator)  # 3.
-            target.truncate(T + result.num_accepted)  # 4. keep context + accepted drafts
+            result = verify(draft.ids[:scored], draft.probs, logits, sampling, state.generator)  # 3.
+            n = result.num_accepted
+            target.truncate(state.T + n)  # 4. keep context + accepted drafts
+            state.after_verify(len(draft), result, hidden[: n + 1] if hidden is not None else None)  # 4.-5.
             if proposer is not None:
-                if hidden is not None:
-                    proposer.observe_features(hidden[: result.num_accepted + 1])  # root + accepted drafts
-                proposer.observe(result)
-                schedule.update(len(draft), result.num_accepted, time.perf_counter() - tic, draft_time_s=toc - tic)
-            stats.observe(len(draft), result.num_accepted)  # 5.
+                schedule.update(len(draft), n, time.perf_counter() - tic, draft_time_s=toc - tic)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
+            yield state.append(result.tokens)  # 5.
 
     @staticmethod
     def _check_tree(tree: str | TreeSpec, proposer: Proposer, plan: SpeculationSchedule) -> TreeSpec:
         spec = parse_tree(tree)
-        if not hasattr(proposer, "propose_tree"):
-            raise ValueError(f"tree: the {proposer.name!r} proposer drafts chains only (it has no propose_tree)")
+        if not proposer.supports_tree:
+            raise ValueError(f"tree: the {proposer.name!r} proposer drafts chains only (supports_tree is False)")
         if plan.kind != "constant":
             raise ValueError(f"tree: token trees use a fixed shape; schedule must be 'constant', got {plan.kind!r}")
         return spec
 
-    def _tree_step(
-        self,
-        context: torch.Tensor,
-        tree: TreeSpec,
-        room: int,
-        proposer: Proposer,
-        sampling: SamplingParams,
-        stats: SpecStats,
-        generator: torch.Generator,
-    ) -> VerifyResult:
-        """Steps 1-5 of the loop with a token tree (:mod:`specdecode.tree`); ``context`` int64 ``[T]``."""
-        target = self.target
+    def _tree_step(self, state: DecodeState, tree: TreeSpec, room: int) -> VerifyResult:
+        """Steps 1-4 of the loop with a token tree (:mod:`specdecode.tree`), at most ``room`` deep."""
+        target, proposer, stats = self.target, state.proposer, state.stats
+        assert proposer is not None
         tic = time.perf_counter()
-        draft = proposer.propose_tree(context, tree, sampling, generator)  # type: ignore[attr-defined]
+        draft = proposer.propose_tree(state.context[: state.T], tree, state.sampling, state.generator)  # type: ignore[attr-defined]
         toc = time.perf_counter()
         depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
         if int(depths.max()) > room:  # near max_new_tokens / the context limit
@@ -401,18 +375,15 @@ class SpeculativeGenerator:
         cached = target.length  # T - 1
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
         features = needs_features(proposer)
-        ids = torch.cat([context[-1:], draft.ids])  # (N + 1,)
+        ids = state.step_input(draft.ids)  # (N + 1,)
         logits, hidden = _pass(target.forward_masked(ids, cached + depths, attend, return_hidden=features))  # 2.
         stats.draft_time_s += toc - tic
         stats.target_time_s += time.perf_counter() - toc
-        stats.target_forward_passes += 1
-        result = verify_tree(draft.ids, draft.parents, logits, sampling, generator)  # 3.
+        result = verify_tree(draft.ids, draft.parents, logits, state.sampling, state.generator)  # 3.
         kept = torch.cat([torch.zeros(1, dtype=torch.int64), result.path])  # (n + 1,): root + accepted path
         target.compact(cached + kept)  # 4.
-        if hidden is not None:
-            proposer.observe_features(hidden[kept.to(hidden.device)])  # type: ignore[attr-defined]  # (n + 1, H)
-        proposer.observe(result)
-        stats.observe(len(draft), result.num_accepted, depth=int(depths.max()))  # 5.
+        kept_features = hidden[kept.to(hidden.device)] if hidden is not None else None  # (n + 1, H)
+        state.after_verify(len(draft), result, kept_features, depth=int(depths.max()))
         return result
 
     def stream_tokens(
@@ -437,11 +408,7 @@ class SpeculativeGenerator:
         k = check_num_speculative_tokens(num_speculative_tokens)
         plan = SpeculationSchedule(k, schedule)
         spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         prompt_ids = self.encode_prompt(prompt, raw=raw)
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        generator = torch.Generator().manual_seed(seed)
         stats = SpecStats(
             num_speculative_tokens=(spec_tree.depth if spec_tree else plan.max_k) if proposer else 0,
             proposer=proposer.name if proposer else "none",
@@ -451,34 +418,27 @@ class SpeculativeGenerator:
             draft_quantization=draft_quantization(proposer),
             prompt_tokens=int(prompt_ids.shape[0]),
         )
+        state = DecodeState(
+            prompt_ids,
+            sampling,
+            self.target.max_length,
+            plan.max_k,
+            proposer=proposer,
+            eos_token_ids=self.eos_token_ids,
+            tokenizer=self.tokenizer,
+            stats=stats,
+        )
         result = GenerationResult("", [], "length", stats)
-        text = StopStringStream(self.tokenizer, sampling.stop) if self.tokenizer is not None else None
-        limit = min(sampling.max_new_tokens, self.target.max_length - prompt_ids.shape[0])
-        steps = self._steps(prompt_ids, sampling, plan, proposer, stats, generator, spec_tree)
+        steps = self._decode(state, plan, spec_tree)
         try:
-            for tokens in steps:
+            for new_ids, new_text in steps:
                 if not result.token_ids:
                     stats.time_to_first_token_s = time.perf_counter() - start
-                new_ids, new_text, done = [], "", False
-                for token in tokens.tolist():
-                    new_ids.append(token)
-                    if text is not None:
-                        new_text += text.add(token)
-                    if token in self.eos_token_ids or (text is not None and text.stopped):
-                        result.finish_reason, done = "stop", True
-                    elif len(result.token_ids) + len(new_ids) >= limit:
-                        done = True
-                    if done:
-                        break
-                if done and text is not None:
-                    new_text += text.finish()
                 result.token_ids.extend(new_ids)
                 result.text += new_text
-                stats.new_tokens = len(result.token_ids)
+                result.finish_reason = state.finish_reason or "length"
                 stats.wall_time_s = time.perf_counter() - start
                 yield new_ids, new_text, result
-                if done:
-                    return
         finally:
             steps.close()
 

@@ -3,27 +3,32 @@
 The engine calls ``reset()`` once per request, then per step ``propose(...)`` and, after
 verification, ``observe(...)``. It never branches on a proposer's name.
 
-A proposer that can offer several candidates per position also has ``propose_tree(context,
-tree, sampling, generator) -> DraftTree`` (:mod:`specdecode.tree`; ``tree`` is a compiled
-``TreeShape`` or a ``DynamicTree``); the engine uses it for ``tree=`` requests and refuses a
-tree for a proposer without it. ``observe`` then gets a result whose ``path`` names the accepted
-nodes.
+Every capability a proposer may have is declared on the protocol, with its default in
+:class:`ProposerBase` (which the shipped proposers subclass); the engine and the server read the
+attributes, never probe for them:
 
-A proposer that drafts from the target's **features** (Medusa heads, an EAGLE head) sets the class
-attribute ``needs_target_features = True`` and has ``observe_features(hidden)``. The engine then
-runs the target with ``return_hidden=True`` and, before each ``observe``, passes the features
-(``[m, H]``, the target's dtype and device: the final hidden states after the final norm, which the
-LM head turns into logits; ``f_p`` scores token ``p + 1``) of the positions that were kept, in
-order: after the prefill all T prompt positions; after a chain pass the root (the context's last
-token) and the n accepted drafts; after a tree pass the root and the accepted path. So when
-``propose`` / ``propose_tree`` gets a context of T tokens, the proposer has received exactly the
-features of positions ``0 .. T - 2`` (rejected drafts never reach it: rollback is free). The
-batched server passes them the same way, per sequence.
+- ``supports_tree`` (default False): the proposer can offer several candidates per position with
+  ``propose_tree(context, tree, sampling, generator) -> DraftTree`` (:mod:`specdecode.tree`;
+  ``tree`` is a compiled ``TreeShape`` or a ``DynamicTree``); the engine uses it for ``tree=``
+  requests and refuses a tree for a proposer without it. ``observe`` then gets a result whose
+  ``path`` names the accepted nodes.
+- ``needs_target_features`` (default False): the proposer drafts from the target's **features**
+  (Medusa heads, an EAGLE head) and has ``observe_features(hidden)``. The engine then runs the
+  target with ``return_hidden=True`` and, before each ``observe``, passes the features (``[m, H]``,
+  the target's dtype and device: the final hidden states after the final norm, which the LM head
+  turns into logits; ``f_p`` scores token ``p + 1``) of the positions that were kept, in order:
+  after the prefill all T prompt positions; after a chain pass the root (the context's last token)
+  and the n accepted drafts; after a tree pass the root and the accepted path. So when ``propose``
+  / ``propose_tree`` gets a context of T tokens, the proposer has received exactly the features of
+  positions ``0 .. T - 2`` (rejected drafts never reach it: rollback is free). The batched server
+  passes them the same way, per sequence.
+- ``default_num_speculative_tokens`` (default :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`, an int in
+  [1, 64]): the k that :class:`~specdecode.engine.SpeculativeGenerator` (and so the CLI, the API
+  and ``specdecode bench``) uses when the caller gives none. It is a measured choice (the
+  proposer's docstring says where), not a limit: any k in [1, 64] still works.
 
-A proposer may set the class attribute ``default_num_speculative_tokens`` (an int in [1, 64]): the k
-that :class:`~specdecode.engine.SpeculativeGenerator` (and so the CLI, the API and ``specdecode
-bench``) uses when the caller gives none; absent, :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`. It is a
-measured choice (the proposer's docstring says where), not a limit: any k in [1, 64] still works.
+A proposer of one's own subclasses :class:`ProposerBase` (or declares every attribute of
+:class:`Proposer` itself); :func:`check_proposer` says what is missing otherwise.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 def default_num_speculative_tokens(proposer: object | None) -> int:
     """The k to draft with when the caller gives none: the proposer's
-    ``default_num_speculative_tokens`` class attribute, else :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`
-    (also for ``None``, decoding without a proposer).
+    ``default_num_speculative_tokens`` (:data:`DEFAULT_NUM_SPECULATIVE_TOKENS` for ``None``,
+    decoding without a proposer).
 
     Raises:
         ValueError: the proposer's attribute is not an integer in [1, 64].
     """
-    k = getattr(proposer, "default_num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    if proposer is None:
+        return DEFAULT_NUM_SPECULATIVE_TOKENS
+    k = proposer.default_num_speculative_tokens  # type: ignore[attr-defined]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
         name = getattr(proposer, "name", type(proposer).__name__)
         raise ValueError(f"proposer {name!r}: default_num_speculative_tokens must be an integer in [1, 64], got {k!r}")
@@ -78,9 +85,12 @@ class DraftTokens:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Drafts tokens for the target to verify."""
+    """Drafts tokens for the target to verify (capabilities: see the module docstring)."""
 
     name: str
+    supports_tree: bool
+    needs_target_features: bool
+    default_num_speculative_tokens: int
 
     def reset(self) -> None:
         """Forget everything about the previous request (no state leaks between calls)."""
@@ -106,10 +116,51 @@ class Proposer(Protocol):
     def observe(self, result: VerifyResult) -> None:
         """Feedback after verification: ``result.num_accepted`` of the draft were kept."""
 
-    # Optional: default_num_speculative_tokens: int = 4  (class attribute; the k used when the caller gives none)
-    # Optional, for proposers that read the target's features (see the module docstring):
-    #   needs_target_features: bool = True  (class attribute; absent or False: no features)
-    #   def observe_features(self, hidden: torch.Tensor) -> None: ...  # [m, H], the kept positions in order
+    def observe_features(self, hidden: torch.Tensor) -> None:
+        """The target's features of the kept positions, ``[m, H]`` (``needs_target_features`` only)."""
+
+
+class ProposerBase:
+    """The defaults of every optional capability of :class:`Proposer`: chains only, no target
+    features, k = :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`, nothing to reset or observe. Subclasses
+    set ``name``, define ``propose`` (see :class:`Proposer`) and override what they have."""
+
+    name: str = "proposer"
+    supports_tree: bool = False
+    needs_target_features: bool = False
+    default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+    def observe(self, result: VerifyResult) -> None:
+        """No feedback needed."""
+
+    def observe_features(self, hidden: torch.Tensor) -> None:
+        """Called only when ``needs_target_features`` is True; such a proposer overrides it.
+
+        Raises:
+            NotImplementedError: the proposer declares ``needs_target_features`` without reading them.
+        """
+        raise NotImplementedError(f"{type(self).__name__} declares needs_target_features but not observe_features()")
+
+
+def check_proposer(proposer: object) -> None:
+    """Check that ``proposer`` speaks the :class:`Proposer` protocol, capabilities declared.
+
+    Raises:
+        TypeError: a member is missing (the message names them), or ``supports_tree`` is set
+            without a ``propose_tree`` method.
+    """
+    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens")
+    missing = [m for m in (*members, "reset", "propose", "observe", "observe_features") if not hasattr(proposer, m)]
+    if missing:
+        raise TypeError(
+            f"proposer {type(proposer).__name__} lacks {', '.join(missing)}: subclass "
+            "specdecode.proposers.base.ProposerBase (it declares every capability with its default)"
+        )
+    if proposer.supports_tree and not callable(getattr(proposer, "propose_tree", None)):  # type: ignore[attr-defined]
+        raise TypeError(f"proposer {type(proposer).__name__} sets supports_tree but has no propose_tree()")
 
 
 def _attributes(value: object) -> list[object]:

@@ -65,7 +65,7 @@ from transformers import PreTrainedModel
 
 from specdecode.errors import IncompatibleModelsError
 from specdecode.models.runner import ModelRunner
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
 
@@ -261,7 +261,7 @@ def vocabularies_differ(target_dir: Path, draft_dir: Path) -> bool:
     return not same_vocabulary(load_tokenizer_cached(str(target_dir)), load_tokenizer_cached(str(draft_dir)))
 
 
-class CrossTokenizerProposer:
+class CrossTokenizerProposer(ProposerBase):
     """Drafts target tokens with a draft model that has its own tokenizer (see the module docstring
     for the text translation, the context sync and why the output stays exact).
 

@@ -16,7 +16,7 @@ from specdecode.models.quant import (
     shared_int8_head,
 )
 from specdecode.models.runner import ModelRunner, share_plain_check
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.hybrid import (
     check_prompt_lookup,
     prompt_lookup_max_field,
@@ -121,7 +121,7 @@ class DraftModelConfig:
         return ids[: self.draft_vocab_size] if self.draft_vocab_size is not None else ids
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     """Drafts k tokens autoregressively with a small model that keeps its own KV cache.
 
     Greedy requests draft the draft model's argmax (a deterministic proposal, ``probs=None``);
@@ -157,6 +157,7 @@ class DraftModelProposer:
     """
 
     name = "draft_model"
+    supports_tree = True
 
     def __init__(self, model: PreTrainedModel, config: DraftModelConfig | None = None) -> None:
         self.config = config or DraftModelConfig()

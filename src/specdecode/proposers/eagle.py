@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.drafters.heads import EagleHead
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.features import (
     FeatureLog,
     TrainedDrafterConfig,
@@ -48,7 +48,7 @@ class EagleConfig(TrainedDrafterConfig):
     kind = "eagle"
 
 
-class EagleProposer:
+class EagleProposer(ProposerBase):
     """Drafts k tokens per step (or a token tree) with an EAGLE head over the target's features.
 
     Greedy requests draft the head's argmax over its token map (``probs=None``); sampled requests
@@ -64,6 +64,7 @@ class EagleProposer:
     """
 
     name = "eagle"
+    supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
     """k when the caller gives none: the shipped head's chain peaks at k = 2 on the reference CPU

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdecode.proposers.base import DraftTokens, Proposer, default_num_speculative_tokens
+from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
@@ -95,7 +95,7 @@ def check_model_k(value: int | None) -> int | None:
     return value
 
 
-class LookupFirstProposer:
+class LookupFirstProposer(ProposerBase):
     """Drafts from an n-gram match in the context when there is one, else with ``model``.
 
     Args:
@@ -133,7 +133,7 @@ class LookupFirstProposer:
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.name = f"{model.name}+lookup"
-        self.needs_target_features = bool(getattr(model, "needs_target_features", False))
+        self.needs_target_features = model.needs_target_features
         if hasattr(model, "vocab_size"):  # the engine checks it against the target's
             self.vocab_size: int = model.vocab_size
         if hasattr(model, "drafter"):  # a trained drafter (the server's cost probe feeds it features)
@@ -178,6 +178,8 @@ class LookupFirstTreeProposer(LookupFirstProposer):
     """:class:`LookupFirstProposer` for a model proposer that drafts trees: with a match, the trie of
     every match's continuation (as :meth:`PromptLookupProposer.propose_tree`); else the model's tree."""
 
+    supports_tree = True
+
     def propose_tree(
         self,
         context: torch.Tensor,
@@ -201,7 +203,7 @@ def with_prompt_lookup(model: Proposer, config: Any) -> Proposer:
     (:class:`LookupFirstTreeProposer` when ``model`` drafts trees)."""
     if not config.prompt_lookup_min:
         return model
-    kind = LookupFirstTreeProposer if hasattr(model, "propose_tree") else LookupFirstProposer
+    kind = LookupFirstTreeProposer if model.supports_tree else LookupFirstProposer
     return kind(
         model, config.prompt_lookup_min, config.prompt_lookup_max, getattr(config, "prompt_lookup_model_k", None)
     )

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.drafters.heads import MedusaHeads
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.features import (
     TrainedDrafterConfig,
     check_features,
@@ -47,7 +47,7 @@ class MedusaConfig(TrainedDrafterConfig):
     kind = "medusa"
 
 
-class MedusaProposer:
+class MedusaProposer(ProposerBase):
     """Drafts up to K tokens per step with Medusa heads over the target's features.
 
     Greedy requests draft each head's argmax over its token map (``probs=None``); sampled requests
@@ -65,6 +65,7 @@ class MedusaProposer:
     """
 
     name = "medusa"
+    supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
     """k when the caller gives none: the shipped heads' chain is fastest at k = 2 on the reference CPU

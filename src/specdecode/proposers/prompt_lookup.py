@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
 from specdecode.verify import VerifyResult
@@ -140,11 +140,12 @@ def find_continuations(
     return found
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(ProposerBase):
     """Deterministic proposal from the context itself (``probs=None``: one-hot q for the verifier,
     which keeps sampling exact)."""
 
     name = "prompt_lookup"
+    supports_tree = True
     # k when the caller gives none: the match length bounds the draft (PromptLookupConfig.max_spec_factor)
     default_num_speculative_tokens = 8
 

@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
 
@@ -350,7 +350,7 @@ class SuffixIndex:
         return Speculation(tuple(ids), score, length)
 
 
-class SuffixProposer:
+class SuffixProposer(ProposerBase):
     """Suffix decoding over the request and this proposer's earlier outputs (deterministic
     proposal, ``probs=None``: one-hot q for the verifier, which keeps sampling exact).
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import secrets
 import threading
 import time
 import traceback
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.decode_state import DecodeState
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.errors import IncompatibleModelsError
 from specdecode.proposers import get_spec, make_proposer
@@ -64,7 +64,6 @@ from specdecode.serve.cost import (
 )
 from specdecode.serve.metrics import ServeMetrics
 from specdecode.stats import SpecStats
-from specdecode.text import StopStringStream
 from specdecode.verify import verify
 
 log = logging.getLogger("specdecode.serve")
@@ -159,33 +158,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-class _Sequence:
-    """A running request: its row, context, proposer, generator, text stream and counters."""
+class _Sequence(DecodeState):
+    """A running request: its :class:`~specdecode.decode_state.DecodeState` (context, proposer,
+    generator, text stream, stats, limits; the engine's own), its batch row, KV reservation,
+    acceptance estimate and timings."""
 
-    def __init__(self, req: ServeRequest, row: int, limit: int, reserved: int, proposer: Proposer | None) -> None:
-        self.req = req
-        self.row = row
-        self.limit = limit  # the most new tokens (max_tokens cut to the context)
-        self.reserved = reserved  # KV tokens reserved against the budget
-        self.proposer = proposer
-        P = len(req.prompt_ids)
-        self.prompt_len = P
-        self.context = torch.empty(P + limit + req.max_k + 1, dtype=torch.int64)  # preallocated
-        self.context[:P] = torch.tensor(req.prompt_ids, dtype=torch.int64)
-        self.T = P  # tokens of context known; the row caches the first T - 1 once decoding
-        seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.stats = SpecStats(
+    def __init__(
+        self,
+        req: ServeRequest,
+        row: int,
+        max_length: int,
+        reserved: int,
+        proposer: Proposer | None,
+        eos: frozenset[int],
+        tokenizer: Any,
+    ) -> None:
+        stats = SpecStats(
             num_speculative_tokens=req.max_k,
             proposer=req.proposer if req.speculative and req.proposer else "none",
-            prompt_tokens=P,
+            prompt_tokens=len(req.prompt_ids),
         )
+        super().__init__(
+            req.prompt_ids,
+            req.sampling,
+            max_length,
+            req.max_k,
+            proposer=proposer,
+            eos_token_ids=eos,
+            tokenizer=tokenizer,
+            stats=stats,
+            ignore_eos=req.ignore_eos,
+        )
+        self.req = req
+        self.row = row
+        self.reserved = reserved  # KV tokens reserved against the budget
         self.estimate = AcceptanceEstimate()
-        self.text: StopStringStream | None = None
-        self.generated: list[int] = []
         self.started = time.time()  # joined the batch
         self.first_token: float | None = None
-        self.finish_reason: str | None = None
         self.error: str | None = None
         self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
         self.drafted_at: int | None = None  # context length at the proposer's last call
@@ -198,10 +207,9 @@ class _Sequence:
             return 0
         return self.T - (self.drafted_at or 0)
 
-    def room(self) -> int:
-        """The most tokens it may draft this step (the engine's rule: leave room for the bonus token)."""
-        left = self.limit - len(self.generated)
-        return max(0, min(self.req.max_k if self.proposer is not None else 0, left - 1))
+    def max_draft(self) -> int:
+        """The most tokens it may draft this step: its k, within :meth:`room`."""
+        return min(self.req.max_k if self.proposer is not None else 0, self.room())
 
 
 class Scheduler:
@@ -548,9 +556,9 @@ class Scheduler:
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build proposer {req.proposer!r}: {error}")
                 return None
-        limit = min(req.sampling.max_new_tokens, self.max_length - len(req.prompt_ids))
-        seq = _Sequence(req, self.runner.add_row(), limit, self.reservation(req), proposer)
-        seq.text = StopStringStream(self.tokenizer, req.sampling.stop)
+        seq = _Sequence(
+            req, self.runner.add_row(), self.max_length, self.reservation(req), proposer, self.eos, self.tokenizer
+        )
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
         self.metrics.prompt_tokens.inc(seq.prompt_len)
@@ -562,15 +570,13 @@ class Scheduler:
         logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
         self.metrics.step_phase.labels(phase="prefill").observe(time.perf_counter() - tic)
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
-            if row_hidden is not None:
-                s.proposer.observe_features(row_hidden)  # type: ignore[union-attr]  # (T, H): every prompt position
-            result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.req.sampling, s.generator)
-            s.stats.target_forward_passes += 1
-            self._emit(s, result.tokens.tolist())
+            s.after_prefill(row_hidden)  # (T, H): every prompt position
+            result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.sampling, s.generator)
+            self._emit(s, result.tokens)
 
     def _plan(self) -> list[int]:
         """k per running sequence for this step (``--speculation`` and the cost model)."""
-        max_ks = [s.room() for s in self.active]
+        max_ks = [s.max_draft() for s in self.active]
         modes = [self.mode(s.req) for s in self.active]
         if "adaptive" not in modes or self.cost is None:  # no cost model yet: adaptive drafts as on
             return [0 if mode == "off" else m for m, mode in zip(max_ks, modes, strict=True)]
@@ -602,7 +608,7 @@ class Scheduler:
         drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
-        inputs = [torch.cat([s.context[s.T - 1 : s.T], d.ids.cpu()]) for s, d in zip(seqs, drafts, strict=True)]
+        inputs = [s.step_input(d.ids) for s, d in zip(seqs, drafts, strict=True)]
         tic = time.perf_counter()
         logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
         seconds = time.perf_counter() - tic
@@ -614,16 +620,12 @@ class Scheduler:
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
             ids = draft.ids.cpu()
             probs = draft.probs.cpu() if draft.probs is not None else None
-            result = verify(ids, probs, row_logits.cpu(), s.req.sampling, s.generator)  # 3. verify
+            result = verify(ids, probs, row_logits.cpu(), s.sampling, s.generator)  # 3. verify
             n = result.num_accepted
             self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
-            if s.proposer is not None:
-                if row_hidden is not None:  # the features of the root and the accepted drafts
-                    s.proposer.observe_features(row_hidden[: n + 1])  # type: ignore[attr-defined]  # (n + 1, H)
-                s.proposer.observe(result)
-            s.stats.target_forward_passes += 1
+            kept = row_hidden[: n + 1] if row_hidden is not None else None  # features of the root + accepted drafts
+            s.after_verify(len(draft), result, kept)  # 4. proposer feedback, 5. stats
             s.stats.target_time_s += seconds
-            s.stats.observe(len(draft), n)
             if len(draft):
                 s.estimate.observe(len(draft), n)
                 name = s.req.proposer or ""
@@ -632,7 +634,7 @@ class Scheduler:
                 self._prior[name] = min(1.0, max(0.0, prior + PRIOR_RATE * (n - trials * prior)))
                 self.metrics.speculating_rows.inc()
                 self.metrics.observe_verification(len(draft), n)
-            self._emit(s, result.tokens.tolist())  # 5. emit, stop
+            self._emit(s, result.tokens)  # 5. emit, stop
         self._leave_finished()
         toc = time.perf_counter()
         phase.labels(phase="verify").observe(toc - tic - seconds)
@@ -656,7 +658,7 @@ class Scheduler:
             return DraftTokens.empty()
         tic = time.perf_counter()
         try:
-            draft = s.proposer.propose(s.context[: s.T], k, s.req.sampling, s.generator)
+            draft = s.propose(k)
         except Exception as error:
             log.warning("proposer %s failed for %s: %s", s.req.proposer, s.req.request_id, traceback.format_exc())
             s.proposer, s.proposer_error = None, f"{type(error).__name__}: {error}"
@@ -675,30 +677,13 @@ class Scheduler:
                 self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
 
-    def _emit(self, s: _Sequence, tokens: list[int]) -> None:
-        """Append ``tokens`` to the sequence, cut at a stop, and send the client its event."""
-        P = len(tokens)
-        s.context[s.T : s.T + P] = torch.tensor(tokens, dtype=torch.int64)
-        s.T += P
-        new_ids: list[int] = []
-        new_text = ""
-        assert s.text is not None
-        for token in tokens:
-            new_ids.append(token)
-            new_text += s.text.add(token)
-            if (token in self.eos and not s.req.ignore_eos) or s.text.stopped:
-                s.finish_reason = "stop"
-            elif len(s.generated) + len(new_ids) >= s.limit:
-                s.finish_reason = "length"
-            if s.finish_reason is not None:
-                new_text += s.text.finish()
-                break
+    def _emit(self, s: _Sequence, tokens: torch.Tensor) -> None:
+        """Append ``tokens`` to the sequence (cut at a stop) and send the client its event."""
+        new_ids, new_text = s.append(tokens)
         if s.first_token is None:
             s.first_token = time.time()
             s.stats.time_to_first_token_s = s.first_token - s.req.created
             self.metrics.ttft.observe(s.stats.time_to_first_token_s)
-        s.generated.extend(new_ids)
-        s.stats.new_tokens = len(s.generated)
         self.metrics.generation_tokens.inc(len(new_ids))
         if s.finish_reason is None:
             self._send(s.req, Event(new_ids, new_text))

@@ -1,0 +1,175 @@
+"""One sequence's decode state, shared by the single-sequence loop and the server's batch.
+
+:class:`DecodeState` is what the speculative loop keeps per sequence (docs/design.md §2): the
+context (prompt and new tokens, preallocated), the sampling parameters and the request's own
+``torch.Generator``, the proposer, the statistics, the text stream with its stop strings, and the
+stop and length limits. :class:`~specdecode.engine.SpeculativeGenerator` runs one, the server's
+:class:`~specdecode.serve.scheduler.Scheduler` one per running request, through the same three
+calls per target pass::
+
+    draft  = state.propose(k)                          # 1. (k <= state.room())
+    logits = runner.forward(state.step_input(draft))   # 2. its own runner / batch row
+    result = verify(draft.ids, draft.probs, logits, state.sampling, state.generator)   # 3.
+    runner.truncate(state.T + result.num_accepted)     # 4. roll back (the runner's business)
+    state.after_verify(len(draft), result, features)   # 4. proposer feedback; 5. stats
+    new_ids, new_text = state.append(result.tokens)    # 5. emit; state.finish_reason: stop?
+
+so "the server decodes exactly as ``generate`` does" holds by construction: same invariant (the
+runner caches every context token but the last), same verifier, same use of randomness, same stop
+rules.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.sampling import SamplingParams
+from specdecode.stats import SpecStats
+from specdecode.text import StopStringStream
+from specdecode.verify import VerifyResult
+
+
+class DecodeState:
+    """Per-sequence state of speculative decoding.
+
+    Args:
+        prompt_ids: the prompt, int64 ``[P]`` (or a list of ids), ``P >= 1``.
+        sampling: the request's :class:`~specdecode.sampling.SamplingParams`; its ``seed`` (or a
+            random one) seeds :attr:`generator`, used for drafting and verification alike.
+        max_length: the target's context length in tokens (``P < max_length``).
+        max_k: the most tokens drafted in one step (sizes the preallocated context).
+        proposer: the sequence's proposer, or None (target alone).
+        eos_token_ids: ids that end the sequence (unless ``ignore_eos``).
+        tokenizer: decodes the text stream (``decode(ids, skip_special_tokens=True)``); None: no
+            text, and no stop strings.
+        stats: the :class:`~specdecode.stats.SpecStats` this state fills (a fresh one if None).
+        ignore_eos: do not stop at ``eos_token_ids`` (fixed-length benchmark outputs).
+
+    Attributes:
+        context: int64 ``[P + limit + max_k + 1]``; ``context[:T]`` is known.
+        T: tokens of context known (prompt plus emitted tokens).
+        limit: the most new tokens: ``max_new_tokens`` cut to the context left after the prompt.
+        generated: the emitted token ids (an EOS that ended the sequence included).
+        text: the :class:`~specdecode.text.StopStringStream`, or None without a tokenizer.
+        finish_reason: None while running, then ``"stop"`` (EOS or stop string) or ``"length"``.
+
+    Raises:
+        ValueError: an empty prompt, or stop strings without a tokenizer.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: torch.Tensor | list[int],
+        sampling: SamplingParams,
+        max_length: int,
+        max_k: int,
+        proposer: Proposer | None = None,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer: Any = None,
+        stats: SpecStats | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        P = int(prompt.shape[0])
+        if P == 0:
+            raise ValueError("prompt must contain at least one token")
+        if sampling.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.sampling = sampling
+        self.proposer = proposer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.ignore_eos = ignore_eos
+        self.prompt_len = P
+        self.limit = min(sampling.max_new_tokens, max_length - P)
+        self.context = torch.empty(P + self.limit + max_k + 1, dtype=torch.int64)
+        self.context[:P] = prompt
+        self.T = P
+        self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.stats = stats if stats is not None else SpecStats(prompt_tokens=P)
+        self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt, int64 ``[P]`` (a view of :attr:`context`)."""
+        return self.context[: self.prompt_len]
+
+    def room(self) -> int:
+        """The most tokens it may draft in the next step: what the length limit leaves after the
+        token the target adds itself (the recovered or bonus token)."""
+        return max(0, self.limit - len(self.generated) - 1)
+
+    def propose(self, k: int) -> DraftTokens:
+        """Up to ``k`` draft tokens from the proposer over ``context[:T]`` (none when ``k <= 0`` or
+        there is no proposer). Errors are the proposer's."""
+        if k <= 0 or self.proposer is None:
+            return DraftTokens.empty()
+        return self.proposer.propose(self.context[: self.T], k, self.sampling, self.generator)
+
+    def step_input(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens of the next target pass: the last context token and the draft, int64 ``[k + 1]``."""
+        return torch.cat([self.context[self.T - 1 : self.T], draft_ids.cpu()])
+
+    def after_prefill(self, features: torch.Tensor | None = None) -> None:
+        """Account the prefill pass; give a feature-reading proposer the prompt's features ``[P, H]``."""
+        self.stats.target_forward_passes += 1
+        if features is not None and self.proposer is not None:
+            self.proposer.observe_features(features)  # type: ignore[attr-defined]
+
+    def after_verify(
+        self, num_drafted: int, result: VerifyResult, features: torch.Tensor | None = None, depth: int | None = None
+    ) -> None:
+        """Account one verified target pass (the runner rolled back to ``T + num_accepted`` already).
+
+        Args:
+            num_drafted: tokens drafted (a tree: its node count).
+            result: the verifier's result.
+            features: the target's features of the kept positions (the pass's root and accepted
+                drafts), ``[num_accepted + 1, H]``, for a proposer that reads them; else None.
+            depth: a tree's depth (None for a chain).
+        """
+        self.stats.target_forward_passes += 1
+        if self.proposer is not None:
+            if features is not None:
+                self.proposer.observe_features(features)  # type: ignore[attr-defined]
+            self.proposer.observe(result)
+        self.stats.observe(num_drafted, result.num_accepted, depth=depth)
+
+    def append(self, tokens: torch.Tensor | list[int]) -> tuple[list[int], str]:
+        """Emit the tokens of one pass, cut at the first stop.
+
+        Stops at an EOS token (kept in :attr:`generated`), at a stop string (the text ends before
+        it) or at :attr:`limit` tokens; :attr:`finish_reason` then says which.
+
+        Returns:
+            ``(new token ids, new text safe to show)``; the ids after a stop are dropped.
+        """
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        n = len(ids)
+        self.context[self.T : self.T + n] = torch.tensor(ids, dtype=torch.int64)
+        self.T += n
+        new_ids: list[int] = []
+        new_text = ""
+        text = self.text
+        for token in ids:
+            new_ids.append(token)
+            if text is not None:
+                new_text += text.add(token)
+            if (token in self.eos_token_ids and not self.ignore_eos) or (text is not None and text.stopped):
+                self.finish_reason = "stop"
+            elif len(self.generated) + len(new_ids) >= self.limit:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                if text is not None:
+                    new_text += text.finish()
+                break
+        self.generated.extend(new_ids)
+        self.stats.new_tokens = len(self.generated)
+        return new_ids, new_text
