@@ -171,6 +171,15 @@ def test_a_proposer_without_the_protocol_members_is_a_clear_error(tiny_pair) -> 
     class TreeWithoutMethod(ProposerBase):
         supports_tree = True
 
+        def propose(self, context, num_tokens, sampling, generator) -> DraftTokens:
+            return DraftTokens.empty()
+
+    class NoPropose(ProposerBase):
+        pass
+
+    with pytest.raises(TypeError, match="lacks propose"):
+        check_proposer(NoPropose())
+
     with pytest.raises(TypeError, match="supports_tree but has no propose_tree"):
         check_proposer(TreeWithoutMethod())
     check_proposer(Spy())  # ProposerBase declares every capability
