@@ -14,13 +14,8 @@ import torch
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import CostModel
-from specdecode.serve.scheduler import (
-    Event,
-    InvalidRequestError,
-    QueueFullError,
-    Scheduler,
-    ServeRequest,
-)
+from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
+from specdecode.serve.scheduler import Scheduler
 
 from conftest import make_tiny_model, perturbed_copy
 from reference import target_only_greedy

@@ -41,7 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.scheduler import Event, InvalidRequestError, QueueFullError, Scheduler, ServeRequest
+from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
+from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest, _Common
 
 Scope = dict[str, Any]

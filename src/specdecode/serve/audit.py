@@ -34,6 +34,28 @@ def iso(timestamp: float | None) -> str | None:
     return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def audit_record(req: Any, reason: str, info: dict[str, Any], error: str | None) -> dict[str, Any]:
+    """The line of one request that ended with ``reason`` (its
+    :class:`~specdecode.serve.request.ServeRequest`, and the ``usage`` / ``speculative`` /
+    ``timings`` summary it was answered with), without the prompt (:meth:`AuditLog.write` adds
+    it when allowed)."""
+    t = info["timings"]
+    return {
+        "request_id": req.request_id,
+        "endpoint": req.endpoint,
+        "status": {"stop": "finished", "length": "finished"}.get(reason, reason),
+        "finish_reason": reason,
+        "error": error,
+        **{key: t.get(key) for key in ("created", "started", "first_token", "finished")},
+        "created_iso": iso(t.get("created")),
+        "finished_iso": iso(t.get("finished")),
+        **{key: t.get(key) for key in ("queue_s", "ttft_s", "e2e_s")},
+        "settings": req.audit_settings,
+        "usage": info["usage"],
+        "speculative": info["speculative"],
+    }
+
+
 class AuditLog:
     """Appends one JSON object per line to ``path`` (created with its folder if missing).
 

@@ -19,43 +19,40 @@ scheduler thread loops:
 5. **emit** each row's new tokens; stop on EOS, a stop string (held back by
    :class:`~specdecode.text.StopStringStream`) or the token limit; finished rows leave.
 
-Per row, this is exactly the single-sequence loop of :mod:`specdecode.engine`: the same
-invariant (the row caches every context token but the last), the same verifier, the same use of
-randomness, so greedy output equals target-only greedy decoding and sampled output follows the
-target's distribution, whatever the batch and whatever k the scheduler picks.
+Per row, this is the single-sequence loop of :mod:`specdecode.engine` by construction: each running
+request is a :class:`~specdecode.serve.sequence.RunningSequence`, the engine's own
+:class:`~specdecode.decode_state.DecodeState` (same invariant: the row caches every context token
+but the last; same verifier, same use of randomness, same stop rules), so greedy output equals
+target-only greedy decoding and sampled output follows the target's distribution, whatever the
+batch and whatever k the scheduler picks. The request and event types are in
+:mod:`specdecode.serve.request`.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.decode_state import DecodeState
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.errors import IncompatibleModelsError
 from specdecode.proposers import get_spec, make_proposer
-from specdecode.proposers.base import DraftTokens, Proposer
+from specdecode.proposers.base import DraftTokens
 from specdecode.proposers.vocabulary import draft_proposer
-from specdecode.sampling import SamplingParams
 from specdecode.schedule import acceptance_trials, expected_tokens
-from specdecode.serve.audit import AuditLog, iso
+from specdecode.serve.audit import AuditLog, audit_record
 from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import (
     INITIAL_ACCEPTANCE,
-    AcceptanceEstimate,
     CostModel,
     default_batch_grid,
     measure_draft_cost,
@@ -63,6 +60,8 @@ from specdecode.serve.cost import (
     plan_speculation,
 )
 from specdecode.serve.metrics import ServeMetrics
+from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest, usage
+from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats
 from specdecode.verify import verify
 
@@ -73,143 +72,6 @@ MAX_PREFILL_TOKENS = 4096  # padded tokens of one batched prefill pass (a longer
 # Padded / real tokens of one batched prefill pass at most: prompts are right-padded to the longest,
 # and padding is computed, so prompts of very different lengths are prefilled in separate passes.
 MAX_PREFILL_PADDING = 1.25
-
-
-class QueueFullError(Exception):
-    """The waiting queue holds ``--max-queue`` requests already (HTTP 429)."""
-
-
-class InvalidRequestError(ValueError):
-    """A request the scheduler cannot run; ``param`` names the request field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass(frozen=True)
-class Event:
-    """What a request receives from the scheduler, once per step that gave it tokens.
-
-    Attributes:
-        token_ids: the new token ids (may be empty on the last event).
-        text: the new text that is safe to show.
-        finish_reason: None while running; then ``"stop"``, ``"length"``, ``"abort"`` (client
-            gone), ``"timeout"`` or ``"error"``.
-        summary: on the last event: ``usage``, ``speculative`` and ``timings`` dicts.
-        error: on an ``"error"`` / ``"timeout"`` event, the message.
-    """
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    summary: dict[str, Any] | None = None
-    error: str | None = None
-
-
-@dataclass
-class ServeRequest:
-    """One validated, tokenized request.
-
-    Attributes:
-        request_id: unique id (``cmpl-...`` / ``chatcmpl-...``).
-        prompt_ids: the prompt's token ids (chat template applied already).
-        sampling: temperature, top-k, top-p, seed, ``max_new_tokens`` (= max_tokens), stop.
-        speculative: whether this request may draft at all.
-        proposer: the proposer's name (None when not speculative).
-        num_speculative_tokens: the most tokens drafted per step (k).
-        speculation: this request's speculation mode (``"on"`` or ``"adaptive"``) in place of the
-            server's ``--speculation``, or None for the server's (see :meth:`Scheduler.mode`).
-        on_event: called from the scheduler thread with every :class:`Event`; must be thread-safe.
-        endpoint: the HTTP route, for the audit log.
-        audit_settings: settings recorded in the audit log.
-        audit_prompt: the prompt as received (audited only with ``--audit-log-prompts``).
-        created: arrival time (Unix seconds).
-        deadline: ``time.monotonic()`` after which the request times out.
-        ignore_eos: do not stop at end-of-sequence tokens (benchmarks: fixed-length outputs).
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    speculative: bool
-    proposer: str | None
-    num_speculative_tokens: int
-    on_event: Callable[[Event], None]
-    endpoint: str = ""
-    audit_settings: dict[str, Any] = field(default_factory=dict)
-    audit_prompt: Any = None
-    created: float = field(default_factory=time.time)
-    deadline: float = math.inf
-    ignore_eos: bool = False
-    speculation: str | None = None
-
-    @property
-    def max_k(self) -> int:
-        return self.num_speculative_tokens if self.speculative else 0
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class _Sequence(DecodeState):
-    """A running request: its :class:`~specdecode.decode_state.DecodeState` (context, proposer,
-    generator, text stream, stats, limits; the engine's own), its batch row, KV reservation,
-    acceptance estimate and timings."""
-
-    def __init__(
-        self,
-        req: ServeRequest,
-        row: int,
-        max_length: int,
-        reserved: int,
-        proposer: Proposer | None,
-        eos: frozenset[int],
-        tokenizer: Any,
-    ) -> None:
-        stats = SpecStats(
-            num_speculative_tokens=req.max_k,
-            proposer=req.proposer if req.speculative and req.proposer else "none",
-            prompt_tokens=len(req.prompt_ids),
-        )
-        super().__init__(
-            req.prompt_ids,
-            req.sampling,
-            max_length,
-            req.max_k,
-            proposer=proposer,
-            eos_token_ids=eos,
-            tokenizer=tokenizer,
-            stats=stats,
-            ignore_eos=req.ignore_eos,
-        )
-        self.req = req
-        self.row = row
-        self.reserved = reserved  # KV tokens reserved against the budget
-        self.estimate = AcceptanceEstimate()
-        self.started = time.time()  # joined the batch
-        self.first_token: float | None = None
-        self.error: str | None = None
-        self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
-        self.drafted_at: int | None = None  # context length at the proposer's last call
-
-    def behind(self) -> int:
-        """Context tokens the proposer has to catch up on before drafting: 0 right after its
-        previous draft (it sees at most the k + 1 tokens one step adds), else all since its last
-        call (the whole context before its first)."""
-        if self.drafted_at is not None and self.T - self.drafted_at <= self.req.max_k + 1:
-            return 0
-        return self.T - (self.drafted_at or 0)
-
-    def max_draft(self) -> int:
-        """The most tokens it may draft this step: its k, within :meth:`room`."""
-        return min(self.req.max_k if self.proposer is not None else 0, self.room())
 
 
 class Scheduler:
@@ -252,7 +114,7 @@ class Scheduler:
         if settings.proposer is not None:
             self.check_proposer(settings.proposer)
             get_spec(settings.proposer).make_config(**settings.proposer_options)  # bad options fail here
-        self.active: list[_Sequence] = []  # active[i].row == i
+        self.active: list[RunningSequence] = []  # active[i].row == i
         self.reserved = 0
         self._prior: dict[str, float] = {}
         self._waiting: deque[ServeRequest] = deque()
@@ -527,7 +389,7 @@ class Scheduler:
             self.metrics.waiting.set(len(self._waiting))
         admitted.sort(key=lambda r: len(r.prompt_ids))  # similar lengths in consecutive rows: less padding
         started = [seq for seq in map(self._start, admitted) if seq is not None]  # rows added, in order
-        group: list[_Sequence] = []
+        group: list[RunningSequence] = []
         for seq in started:  # prefill groups: consecutive rows, bounded padded size and padding share
             padded = max(x.prompt_len for x in group + [seq]) * (len(group) + 1)
             real = sum(x.prompt_len for x in group + [seq])
@@ -544,7 +406,7 @@ class Scheduler:
     def _timeout_message(self, req: ServeRequest) -> str:
         return f"the request did not finish within the server's timeout of {self.settings.request_timeout_s:g} s"
 
-    def _start(self, req: ServeRequest) -> _Sequence | None:
+    def _start(self, req: ServeRequest) -> RunningSequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
         proposer = None
         if req.speculative and req.proposer is not None and self.mode(req) != "off":
@@ -556,7 +418,7 @@ class Scheduler:
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build proposer {req.proposer!r}: {error}")
                 return None
-        seq = _Sequence(
+        seq = RunningSequence(
             req, self.runner.add_row(), self.max_length, self.reservation(req), proposer, self.eos, self.tokenizer
         )
         self.active.append(seq)
@@ -564,7 +426,7 @@ class Scheduler:
         self.metrics.prompt_tokens.inc(seq.prompt_len)
         return seq
 
-    def _prefill(self, seqs: list[_Sequence]) -> None:
+    def _prefill(self, seqs: list[RunningSequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
         tic = time.perf_counter()
         logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
@@ -641,7 +503,7 @@ class Scheduler:
         phase.labels(phase="step").observe(toc - t0)
 
     def _forward(
-        self, seqs: list[_Sequence], inputs: list[torch.Tensor], num_logits: list[int]
+        self, seqs: list[RunningSequence], inputs: list[torch.Tensor], num_logits: list[int]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One batched target pass over the rows of ``seqs`` (rows ``seqs[0].row ..``); the target's
         features per row (``[n_b, H]``) for the rows whose proposer reads them, else None."""
@@ -651,7 +513,7 @@ class Scheduler:
         logits, hidden = self.runner.forward(seqs[0].row, inputs, num_logits, return_hidden=True)
         return logits, [h if w else None for h, w in zip(hidden, wants, strict=True)]
 
-    def _draft(self, s: _Sequence, k: int) -> DraftTokens:
+    def _draft(self, s: RunningSequence, k: int) -> DraftTokens:
         """Up to ``k`` tokens from the sequence's proposer. A proposer that fails is dropped: the
         sequence goes on without speculation (its output is unchanged) and its summary says why."""
         if k <= 0 or s.proposer is None:
@@ -677,7 +539,7 @@ class Scheduler:
                 self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
 
-    def _emit(self, s: _Sequence, tokens: torch.Tensor) -> None:
+    def _emit(self, s: RunningSequence, tokens: torch.Tensor) -> None:
         """Append ``tokens`` to the sequence (cut at a stop) and send the client its event."""
         new_ids, new_text = s.append(tokens)
         if s.first_token is None:
@@ -694,7 +556,7 @@ class Scheduler:
         for s in [s for s in self.active if s.finish_reason is not None]:
             self._free(s)
 
-    def _free(self, s: _Sequence) -> None:
+    def _free(self, s: RunningSequence) -> None:
         """Remove ``s`` from the batch: free its row (the last row moves in) and its reservation."""
         if s not in self.active:
             return
@@ -707,48 +569,9 @@ class Scheduler:
         self.metrics.running.set(len(self.active))
         self.metrics.kv_reserved.set(self.reserved)
 
-    def summary(self, s: _Sequence) -> dict[str, Any]:
-        """``usage``, ``speculative`` and ``timings`` of a sequence (for the response and the audit log)."""
-        enabled = s.req.speculative and (s.proposer is not None or s.proposer_error is not None)
-        now = time.time()
-        return {
-            "usage": usage(s.prompt_len, len(s.generated)),
-            "speculative": self._speculative(s.req, enabled, s.stats, s.proposer_error),
-            "timings": {
-                "created": s.req.created,
-                "started": s.started,
-                "first_token": s.first_token,
-                "finished": now,
-                "queue_s": s.started - s.req.created,
-                "ttft_s": None if s.first_token is None else s.first_token - s.req.created,
-                "e2e_s": now - s.req.created,
-            },
-        }
-
-    def _speculative(
-        self, req: ServeRequest, enabled: bool, stats: SpecStats, proposer_error: str | None = None
-    ) -> dict[str, Any]:
-        """The ``speculative`` object of a response (see :mod:`specdecode.serve.app`)."""
-        out = {
-            "enabled": enabled,
-            "proposer": req.proposer if enabled else None,
-            "num_speculative_tokens": req.max_k if enabled else 0,
-            "mode": self.mode(req),
-            "drafts": stats.drafts,
-            "draft_tokens": stats.draft_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-            "acceptance_rate": stats.acceptance_rate,
-            "mean_acceptance_length": stats.mean_acceptance_length,
-            "target_forward_passes": stats.target_forward_passes,
-            "lossless": True,
-        }
-        if proposer_error is not None:
-            out["proposer_error"] = proposer_error
-        return out
-
-    def _finish(self, s: _Sequence, reason: str, new_ids: list[int] | None = None, new_text: str = "") -> None:
+    def _finish(self, s: RunningSequence, reason: str, new_ids: list[int] | None = None, new_text: str = "") -> None:
         s.finish_reason = reason
-        info = self.summary(s)
+        info = s.summary(self.mode(s.req))
         timings = info["timings"]
         self.metrics.request_success.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe(timings["e2e_s"])
@@ -765,7 +588,7 @@ class Scheduler:
         now = time.time()
         info = {
             "usage": usage(len(req.prompt_ids), 0),
-            "speculative": self._speculative(req, False, SpecStats()),
+            "speculative": speculative_summary(req, self.mode(req), False, SpecStats()),
             "timings": {"created": req.created, "finished": now, "e2e_s": now - req.created},
         }
         self._audit(req, reason, info, message)
@@ -774,23 +597,8 @@ class Scheduler:
     def _audit(self, req: ServeRequest, reason: str, info: dict[str, Any], error: str | None) -> None:
         if self.audit is None:
             return
-        t = info["timings"]
-        record = {
-            "request_id": req.request_id,
-            "endpoint": req.endpoint,
-            "status": {"stop": "finished", "length": "finished"}.get(reason, reason),
-            "finish_reason": reason,
-            "error": error,
-            **{key: t.get(key) for key in ("created", "started", "first_token", "finished")},
-            "created_iso": iso(t.get("created")),
-            "finished_iso": iso(t.get("finished")),
-            **{key: t.get(key) for key in ("queue_s", "ttft_s", "e2e_s")},
-            "settings": req.audit_settings,
-            "usage": info["usage"],
-            "speculative": info["speculative"],
-        }
         try:
-            self.audit.write(record, req.audit_prompt)
+            self.audit.write(audit_record(req, reason, info, error), req.audit_prompt)
         except OSError as e:
             log.error("audit log: could not write %s: %s", self.audit.path, e)
 
