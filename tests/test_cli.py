@@ -126,3 +126,27 @@ def test_the_cli_default_k_is_the_libraries() -> None:
     from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS
 
     assert DEFAULT_K == DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def test_every_help_fits_an_80_column_terminal(monkeypatch) -> None:
+    """``specdecode --help`` and every command's ``--help`` as argparse renders them with COLUMNS=80: no
+    line longer than 80 characters, no option name split at a hyphen, every command listed on one line."""
+    import argparse
+    import re
+
+    from specdecode.commands.main import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")  # argparse sizes its help to shutil.get_terminal_size()
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) >= {"generate", "prepare", "bench", "serve", "train-drafter"}
+    helps = {"specdecode": parser.format_help()} | {name: p.format_help() for name, p in commands.choices.items()}
+    for name, text in helps.items():
+        for line in text.splitlines():
+            assert len(line) <= 80, f"{name}: {line!r}"
+            assert not re.search(r"-[a-z]+-$", line), f"{name}: an option split at its hyphen: {line!r}"
+    top = helps["specdecode"].splitlines()
+    for name in commands.choices:
+        (row,) = [i for i, line in enumerate(top) if line.split()[:1] == [name]]
+        first = row if len(top[row].split()) > 1 else row + 1  # a name too long for its column: summary below
+        assert not top[first + 1].startswith(" " * 24), f"{name}: its summary takes two lines"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdecode.commands.common import add_backend_args, add_model_args
+from specdecode.commands.common import PROPOSER_KS, add_backend_args, add_command_parser, add_model_args
 
 QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -27,38 +27,70 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    b = subparsers.add_parser("bench", help="Spec-Bench-style benchmark: every method on the same prompts")
+    b = add_command_parser(
+        subparsers,
+        "bench",
+        "benchmark every method on the same prompts",
+        "benchmark every method on the same prompts (Spec-Bench style)",
+    )
     add_model_args(b)
     add_backend_args(b)
-    b.add_argument("--questions", help="Spec-Bench jsonl (default: the packaged dev half, 240 prompts, and HumanEval)")
+    b.add_argument(
+        "--questions",
+        metavar="FILE",
+        help="Spec-Bench jsonl (default: the packaged dev half, 240 prompts, and HumanEval)",
+    )
     categories = "mt_bench, translation, summarization, qa, math_reasoning, rag, humaneval, or an MT-bench category"
     b.add_argument(
         "--categories",
+        metavar="LIST",
         help=f"comma list of {categories} such as coding (default: all; with --questions, the file's "
         "Spec-Bench groups, humaneval only when named)",
     )
     b.add_argument(
         "--methods",
-        help="comma list of methods (default: all registered); a proposer method may carry options and a "
+        metavar="LIST",
+        help="comma list of methods (default: every registered method that runs on the backend and target; "
+        "medusa and eagle with a trained drafter); a proposer method may carry options and a "
         "schedule, e.g. 'draft_model(draft_confidence=0.4)+adaptive', its own k, 'eagle(k=2)', and a "
         "report label, 'draft_model(prompt_lookup_min=2,label=draft+lookup)' (see specdecode.bench.methods)",
     )
-    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    b.add_argument("--max-new-tokens", type=int, default=None, help=f"per turn (default {DEFAULT_MAX_NEW_TOKENS})")
+    b.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)"
+    )
+    b.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"new tokens per turn at most (default {DEFAULT_MAX_NEW_TOKENS}; --quick 64)",
+    )
     b.add_argument(
         "-k",
         "--num-speculative-tokens",
         default=None,
-        help="k, or a sweep such as 2,4,6,8 (default: each proposer's own k: 4; eagle and medusa 2; "
-        "prompt_lookup 8; 8 behind prompt lookup)",
+        metavar="K",
+        help=f"k, or a sweep such as 2,4,6,8 (default: each proposer's own k: {PROPOSER_KS})",
     )
-    b.add_argument("--prompts-per-category", type=int, default=None, help="default: all")
-    b.add_argument("--repeats", type=int, default=1, help="runs of every prompt (seed + repeat when sampling)")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed of the first repeat (default 0)")
+    b.add_argument(
+        "--prompts-per-category",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N prompts of each category (default: all; --quick 1, the shortest)",
+    )
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runs of every prompt, seed + repeat when sampling (default 1)",
+    )
+    b.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed of the first repeat (default 0)")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     quick = "the shortest prompt per category, 64 tokens, methods target,draft_model,hf_assisted"
     b.add_argument("--quick", action="store_true", help=quick)
-    b.add_argument("--out", help="output folder (default: bench-results/<timestamp>)")
+    b.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<timestamp>)")
     b.add_argument("--report", metavar="RESULTS_JSON", help="re-render tables and plots from a saved results.json")
     b.add_argument(
         "--baseline",
@@ -68,7 +100,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "label (default target); another method gives an A/B comparison paired per prompt, e.g. "
         "--report results.json --baseline draft+lookup",
     )
-    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)
     return b
 

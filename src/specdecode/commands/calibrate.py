@@ -22,21 +22,49 @@ from specdecode.calibrate import (
     parse_layers,
     render_table,
 )
-from specdecode.commands.common import add_dtype_arg
+from specdecode.commands.common import add_command_parser, add_dtype_arg
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``calibrate-early-exit`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
-    c = subparsers.add_parser(
-        "calibrate-early-exit", help="measure early-exit layers of the target on sample prompts; save the fastest"
+    c = add_command_parser(
+        subparsers,
+        "calibrate-early-exit",
+        "measure exit layers of the target; save the fastest",
+        "measure early-exit layers of the target on sample prompts; save the fastest",
     )
     c.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
     add_dtype_arg(c)
-    c.add_argument("--layers", help="comma list of exit layers, e.g. 4,8,12 (default: every 4th up to 3/4 depth)")
-    c.add_argument("--prompts", help="prompts file: .jsonl ('prompt' per line) or text (blank-line separated)")
-    c.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
-    c.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="per prompt (default 48)")
-    c.add_argument("-k", "--num-speculative-tokens", type=int, default=DEFAULT_K, help="k (default 4)")
+    c.add_argument(
+        "--layers",
+        metavar="LIST",
+        help="comma list of exit layers, e.g. 4,8,12 (default: up to 3/4 of the depth, every layer up to 8 "
+        "layers, every 2nd up to 16, else every 4th)",
+    )
+    c.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="prompts file: .jsonl, a 'prompt' per line, or text, prompts separated by blank lines (default: a "
+        "built-in mix of code and prose)",
+    )
+    c.add_argument(
+        "--num-prompts", type=int, default=None, metavar="N", help="use only the first N prompts (default: all)"
+    )
+    c.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        metavar="N",
+        help=f"new tokens per prompt at most (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    c.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=DEFAULT_K,
+        metavar="K",
+        help=f"tokens drafted per step (default {DEFAULT_K})",
+    )
     c.add_argument("--no-save", action="store_true", help="measure only; do not save the chosen layer")
     c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     c.set_defaults(func=cmd_calibrate)

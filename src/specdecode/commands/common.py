@@ -4,9 +4,50 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import textwrap
 from typing import Any
 
 DEFAULT_K = 4  # = proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS (not imported here: --help must not load torch)
+# the proposers' own k, as the -k help of generate, serve and bench gives it
+PROPOSER_KS = f"{DEFAULT_K}; eagle and medusa 2; prompt_lookup 8; 8 behind prompt lookup"
+# the metavar of a proposer option: the field's metadata "metavar", else this table, else by type
+OPTION_METAVARS = {"token_map": "MAP", "drafter": "DIR", "draft_quantization": "MODE", "head_quantization": "MODE"}
+TYPE_METAVARS: dict[type, str] = {int: "N", float: "X", str: "VALUE"}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapping at spaces only (an option named in a help text,
+    ``--prompt-lookup-min``, is never split at its hyphens) and never inside ``(default X``,
+    ``(default: X`` or ``A = B`` (so no line starts with a default's lone value)."""
+
+    @staticmethod
+    def _wrap(text: str, width: int, indent: str = "") -> list[str]:
+        glued = re.sub(r"\(default:? ", lambda m: m.group(0)[:-1] + "\0", " ".join(text.split()))
+        glued = glued.replace(" = ", "\0=\0")
+        lines = textwrap.wrap(glued, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+        return [line.replace("\0", " ") for line in lines]
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return self._wrap(text, width)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(self._wrap(text, width, indent))
+
+
+def add_command_parser(
+    subparsers: Any, name: str, summary: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand's parser, its help wrapped by :class:`HelpFormatter`.
+
+    Args:
+        subparsers: from ``ArgumentParser.add_subparsers``.
+        name: the command.
+        summary: its line in ``specdecode --help``: 54 characters at most keep it on one line of an
+            80-column terminal.
+        description: the opening of its own ``--help`` (default: ``summary``).
+    """
+    return subparsers.add_parser(name, help=summary, description=description or summary, formatter_class=HelpFormatter)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,8 +55,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")
     p.add_argument(
         "--draft",
-        help="draft: HF model folder, .gguf file or packaged name (smollm2: SmolLM2-135M-Instruct, another "
-        "tokenizer, drafts through cross_tokenizer) (default: Qwen2.5-Coder-0.5B-Instruct)",
+        help="draft: HF model folder, .gguf file or packaged name; smollm2 is SmolLM2-135M-Instruct, another "
+        "tokenizer, drafting through cross_tokenizer (default: Qwen2.5-Coder-0.5B-Instruct)",
     )
     add_dtype_arg(p)
 
@@ -40,7 +81,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         help="auto (default): llama.cpp for .gguf files and the default pair on a CPU, torch for HF folders "
         "and on a GPU; llamacpp: GGUF files on llama.cpp's kernels; torch: transformers",
     )
-    p.add_argument("--threads", type=int, default=None, help="llamacpp: CPU threads (default: every core)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="llamacpp: CPU threads (default: every core)")
     p.add_argument(
         "--exact",
         default=True,
@@ -82,27 +123,31 @@ def add_proposer_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
     if auto:
         default = "auto"
         text = (
-            "default auto: draft_model with --draft, else prompt_lookup (--min-ngram 3) on llamacpp, "
-            "draft_model on torch; "
+            f"{choices}; auto (default): draft_model with --draft, else prompt_lookup (--min-ngram 3) on "
+            "llamacpp, draft_model on torch"
         )
     else:
-        default, text = "draft_model", "default draft_model; "
+        default, text = "draft_model", f"{choices} (default: draft_model)"
     names = sorted(PROPOSERS) + (["auto"] if auto else [])
-    p.add_argument("--proposer", default=default, choices=names, help=text + choices)
+    p.add_argument("--proposer", default=default, choices=names, metavar="NAME", help=text)
     seen: dict[str, list[str]] = {}
     helps: dict[str, dict[str, list[str]]] = {}  # option -> help text -> the proposers that say it
     defaults: dict[str, Any] = {}
     annotations: dict[str, str] = {}
+    metavars: dict[str, str] = {}
     for name, spec in PROPOSERS.items():
         for f in dataclasses.fields(spec.config):
             seen.setdefault(f.name, []).append(name)
             helps.setdefault(f.name, {}).setdefault(f.metadata.get("help", ""), []).append(name)
             defaults[f.name] = f.default
             annotations[f.name] = str(f.type)
+            if "metavar" in f.metadata:
+                metavars[f.name] = f.metadata["metavar"]
     for option in seen:
         kind = _option_type(defaults[option], annotations[option])
         text = "; ".join(f"{'/'.join(owners)}: {words}" for words, owners in helps[option].items())
-        p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, help=text)
+        metavar = metavars.get(option) or OPTION_METAVARS.get(option) or TYPE_METAVARS.get(kind, "VALUE")
+        p.add_argument("--" + option.replace("_", "-"), type=kind, default=None, metavar=metavar, help=text)
 
 
 def proposer_options(args: argparse.Namespace) -> dict[str, Any]:

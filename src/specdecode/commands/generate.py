@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 from specdecode.commands.common import (
-    DEFAULT_K,
+    PROPOSER_KS,
     add_backend_args,
+    add_command_parser,
     add_model_args,
     add_proposer_args,
     backend_options,
@@ -18,13 +19,18 @@ from specdecode.commands.common import (
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    g = subparsers.add_parser("generate", help="generate text for one prompt, streaming, with statistics")
-    g.add_argument("prompt")
+    g = add_command_parser(
+        subparsers,
+        "generate",
+        "generate for one prompt: streamed text and statistics",
+        "generate text for one prompt, streaming, with statistics",
+    )
+    g.add_argument("prompt", help="the prompt, in the chat template unless --raw")
     add_model_args(g)
     add_backend_args(g)
     add_sampling_args(g, max_new_tokens=256)
     add_proposer_args(g, auto=True)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")
     g.add_argument("--compare", action="store_true", help="also run the target alone; report speedup and identity")
@@ -35,18 +41,33 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     """``--temperature --top-k --top-p --seed --max-new-tokens -k --schedule --tree``."""
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)"
+    )
+    p.add_argument("--top-k", type=int, default=0, metavar="N", help="keep the N likeliest tokens (default 0: off)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: the likeliest tokens up to mass P (default 1.0: off)",
+    )
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: a random one)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        metavar="N",
+        help=f"new tokens at most (default {max_new_tokens})",
+    )
     p.add_argument(
         "-k",
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help=f"tokens drafted per step, the starting k of a varying schedule (default: the proposer's, "
-        f"{DEFAULT_K}; eagle and medusa 2, prompt_lookup 8, 8 behind --prompt-lookup-min; measured best)",
+        metavar="K",
+        help="tokens drafted per step, the starting k of a varying schedule (default: the proposer's own, "
+        f"measured best: {PROPOSER_KS})",
     )
     p.add_argument(
         "--schedule",
@@ -58,8 +79,10 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument(
         "--tree",
         default=None,
-        help="draft a token tree instead of a chain: a shape name (default, tree8 .. tree32), a JSON file "
-        "of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model and prompt_lookup",
+        metavar="TREE",
+        help="draft a token tree instead of a chain (default: a chain): a shape name ('default', tree8 .. "
+        "tree32), a JSON file of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model "
+        "and prompt_lookup",
     )
 
 

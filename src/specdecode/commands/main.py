@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from specdecode.commands.bench import add_bench_parser
 from specdecode.commands.calibrate import add_calibrate_parser
+from specdecode.commands.common import HelpFormatter
 from specdecode.commands.generate import add_generate_parser
 from specdecode.commands.prepare import add_prepare_parser
 from specdecode.commands.serve import add_serve_parser
@@ -21,8 +22,13 @@ from specdecode.errors import SpecDecodeError
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdecode`` parser with every subcommand (each sets ``func``, its command function)."""
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="specdecode",
+        description="Lossless speculative decoding.",
+        epilog="Run 'specdecode COMMAND --help' for the options of a command.",
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     add_generate_parser(sub)
     add_prepare_parser(sub)
     add_bench_parser(sub)

@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specdecode.commands.common import add_command_parser
+
 
 def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``prepare`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    p = subparsers.add_parser("prepare", help="join, verify and convert the default models into the cache")
+    p = add_command_parser(
+        subparsers,
+        "prepare",
+        "join, verify and convert the models into the cache",
+        "join, verify and convert the default models (or those of --model) into the cache",
+    )
     from specdecode.models.default import NAMED_MODELS
 
     p.add_argument(

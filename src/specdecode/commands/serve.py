@@ -15,12 +15,23 @@ import argparse
 import os
 from typing import Any
 
-from specdecode.commands.common import DEFAULT_K, add_model_args, add_proposer_args, proposer_options
+from specdecode.commands.common import (
+    PROPOSER_KS,
+    add_command_parser,
+    add_model_args,
+    add_proposer_args,
+    proposer_options,
+)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    s = subparsers.add_parser("serve", help="OpenAI-compatible server with batched speculative decoding")
+    s = add_command_parser(
+        subparsers,
+        "serve",
+        "serve an OpenAI-compatible API (batched speculation)",
+        "serve an OpenAI-compatible API with batched speculative decoding",
+    )
     add_model_args(s)
     add_proposer_args(s)
     s.add_argument(
@@ -28,8 +39,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help=f"default k of requests (default: the request's proposer's own, {DEFAULT_K}; eagle and medusa 2; "
-        "prompt_lookup 8; 8 behind prompt lookup)",
+        metavar="K",
+        help=f"default k of requests (default: the proposer's own k: {PROPOSER_KS})",
     )
     s.add_argument(
         "--speculation",
@@ -39,19 +50,44 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--served-model-name", help="the model id of the API (default: the target's folder name)")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY)")
-    s.add_argument("--audit-log", metavar="PATH", help="append one JSON line per request to PATH")
-    s.add_argument("--audit-log-prompts", action="store_true", help="also write prompts into the audit log")
-    s.add_argument("--max-batch-size", type=int, default=8, help="most sequences decoding together (default 8)")
+    s.add_argument("--served-model-name", metavar="NAME", help="the API's model id (default: the target's folder name)")
     s.add_argument(
-        "--kv-budget-tokens", type=int, default=65536, help="KV-cache tokens reserved at most (default 65536)"
+        "--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDECODE_API_KEY)"
     )
-    s.add_argument("--max-queue", type=int, default=64, help="most waiting requests; more get HTTP 429 (default 64)")
-    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens of chat requests without one")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--audit-log", metavar="PATH", help="append a JSON line per request to PATH (default: none)")
+    s.add_argument("--audit-log-prompts", action="store_true", help="also write prompts into the audit log")
+    s.add_argument(
+        "--max-batch-size", type=int, default=8, metavar="N", help="most sequences decoding together (default 8)"
+    )
+    s.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="KV-cache tokens reserved at most (default 65536)",
+    )
+    s.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="most waiting requests; more get HTTP 429 (default 64)"
+    )
+    s.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="SECONDS", help="seconds per request (default 600)"
+    )
+    s.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body, bytes (default 1 MiB)"
+    )
+    s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="max_tokens of chat requests without one (default 512)",
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default info)",
+    )
     s.set_defaults(func=cmd_serve)
     return s
 

@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from specdecode.commands.common import add_command_parser
 from specdecode.token_map import (
     CORPORA,
     DEFAULT_CORPUS,
@@ -24,19 +25,35 @@ from specdecode.token_map import (
 
 def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``build-token-map`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
-    t = subparsers.add_parser("build-token-map", help="the N most frequent target tokens, for --token-map (FR-Spec)")
-    t.add_argument("--target", help="target whose tokenizer counts: HF model folder or .gguf (default: default target)")
-    t.add_argument("--size", type=int, default=32768, help="N, ids in the map (default 32768)")
-    t.add_argument("--out", help="output .npy or .pt file (default token_map_<N>.npy)")
+    t = add_command_parser(
+        subparsers,
+        "build-token-map",
+        "build a map of the N most frequent target tokens",
+        "build a token map: the N most frequent target tokens, for --token-map (FR-Spec)",
+    )
+    t.add_argument(
+        "--target",
+        help="target whose tokenizer counts: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)",
+    )
+    t.add_argument("--size", type=int, default=32768, metavar="N", help="tokens in the map (default 32768)")
+    t.add_argument("--out", metavar="FILE", help="output .npy or .pt file (default: token_map_<N>.npy)")
     corpus = f"comma list of {', '.join(CORPORA)}, {WORD_LIST_PREFIX}<language> (a word-frequency list) or folders"
-    t.add_argument("--corpus", default=",".join(DEFAULT_CORPUS), help=f"{corpus} (default: {','.join(DEFAULT_CORPUS)})")
+    t.add_argument(
+        "--corpus",
+        default=",".join(DEFAULT_CORPUS),
+        metavar="LIST",
+        help=f"{corpus} (default: {','.join(DEFAULT_CORPUS)})",
+    )
     t.add_argument(
         "--word-list-weight",
         type=float,
         default=DEFAULT_WORD_LIST_WEIGHT,
+        metavar="W",
         help=f"share of the word-frequency lists in the counts, in (0, 1) (default {DEFAULT_WORD_LIST_WEIGHT})",
     )
-    t.add_argument("--words", type=int, default=DEFAULT_WORDS, help=f"words per list (default {DEFAULT_WORDS})")
+    t.add_argument(
+        "--words", type=int, default=DEFAULT_WORDS, metavar="N", help=f"words per list (default {DEFAULT_WORDS})"
+    )
     t.set_defaults(func=cmd_build_token_map)
     return t
 

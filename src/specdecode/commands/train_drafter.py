@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from specdecode.commands.common import add_dtype_arg
+from specdecode.commands.common import add_command_parser, add_dtype_arg
 from specdecode.drafters.corpus import chat_texts
 from specdecode.drafters.features import FEATURES_META, collect_features
 from specdecode.drafters.heads import KINDS, target_identity
@@ -24,16 +24,26 @@ from specdecode.drafters.train import SAVE_DTYPES, TrainConfig, train_drafter
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``train-drafter`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    p = subparsers.add_parser(
+    p = add_command_parser(
+        subparsers,
         "train-drafter",
-        help="train Medusa heads or an EAGLE-style head for a target on its own features (self-distillation)",
+        "train Medusa heads or an EAGLE head for the target",
+        "train Medusa heads or an EAGLE-style head for a target on its own features (self-distillation)",
     )
-    p.add_argument("--kind", choices=KINDS, required=True)
-    p.add_argument("--target", default=None, help="HF model folder or .gguf (default: Qwen2.5-Coder-1.5B-Instruct)")
+    p.add_argument(
+        "--kind",
+        choices=KINDS,
+        required=True,
+        help="the drafter to train (required): medusa, Medusa heads; eagle, an EAGLE-style head",
+    )
+    p.add_argument(
+        "--target", default=None, help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)"
+    )
     add_dtype_arg(p)  # the target's dtype for features: auto avoids bf16 where it is multiplied row by row
     p.add_argument(
         "--data",
         action="append",
+        metavar="SOURCE",
         help="corpus: 'stdlib' (Python's standard library source, default), 'site-packages' (packaged prose), "
         "or a folder of .py/.md/.txt files (repeatable)",
     )
@@ -43,26 +53,67 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="turn the corpus's Python functions into chat examples (instruction: complete this function; "
         "answer: the function) in the target's chat template, as an instruct target sees code requests",
     )
-    p.add_argument("--features", default=None, help="features folder (default: <cache>/features/<target>-<data>)")
+    p.add_argument(
+        "--features",
+        default=None,
+        metavar="DIR",
+        help="features folder (default: <cache>/features/<target's weights hash>-<data>-<seq-len>)",
+    )
     p.add_argument(
         "--extra-features",
         action="append",
         default=[],
+        metavar="DIR",
         help="another features folder (made by an earlier run for this target) to train on too (repeatable)",
     )
     p.add_argument("--collect-only", action="store_true", help="collect the features, do not train")
-    p.add_argument("--max-tokens", type=int, default=200_000, help="corpus tokens to run the target over")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--out", default=None, help="drafter folder (default: the folder --proposer KIND looks in)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=200_000,
+        metavar="N",
+        help="corpus tokens to run the target over (default 200000)",
+    )
+    p.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per training sequence (default 512)")
+    p.add_argument(
+        "--out", default=None, metavar="DIR", help="drafter folder (default: the folder --proposer KIND looks in)"
+    )
     defaults = TrainConfig()
-    for name in ("draft_vocab_size", "num_heads", "batch_size", "max_steps", "val_every", "save_every", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    p.add_argument("--intermediate-size", type=int, default=None, help="EAGLE MLP width (default: half the target's)")
-    p.add_argument("--lr", type=float, default=defaults.lr)
+    integers = {
+        "draft_vocab_size": "token map size: the target's N most frequent predictions, special tokens first",
+        "num_heads": "Medusa: heads, the most tokens drafted per step",
+        "batch_size": "sequences per optimiser step",
+        "max_steps": "step budget",
+        "val_every": "held-out validation every N steps",
+        "save_every": "checkpoint every N steps",
+        "seed": "data order and initialisation",
+    }
+    for name, text in integers.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=getattr(defaults, name),
+            metavar="N",
+            help=f"{text} (default {getattr(defaults, name)})",
+        )
+    p.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="EAGLE: MLP width (default: half the target's)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help=f"AdamW peak learning rate: linear warm-up, then cosine decay to 0 (default {defaults.lr})",
+    )
     p.add_argument(
         "--cls-weight",
         type=float,
         default=defaults.cls_weight,
+        metavar="W",
         help=f"EAGLE: weight of the classification loss next to feature regression (default {defaults.cls_weight})",
     )
     p.add_argument(
@@ -70,35 +121,44 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=DISTILL,
         default=defaults.distill,
         help="classification labels: the target's top-1 prediction, or its whole distribution over the "
-        f"token map (soft, KL distillation); default {defaults.distill}",
+        f"token map (soft, KL distillation) (default {defaults.distill})",
     )
     p.add_argument(
         "--loss-positions",
         type=int,
         default=defaults.loss_positions,
-        help="positions per sequence scored by the LM head each step (default 128; 0 = all)",
+        metavar="N",
+        help=f"positions per sequence scored by the LM head each step, 0 = all (default {defaults.loss_positions})",
     )
     p.add_argument(
         "--ttt-steps",
         type=int,
         default=defaults.ttt_steps,
+        metavar="N",
         help="EAGLE: draft steps unrolled in training on the head's own features (EAGLE-3's training-time "
-        f"test); 1 = teacher forcing only (default {defaults.ttt_steps})",
+        f"test), 1 for teacher forcing only (default {defaults.ttt_steps})",
     )
     p.add_argument(
         "--save-dtype",
         choices=list(SAVE_DTYPES),
         default=defaults.save_dtype,
-        help=f"dtype of the saved drafter's weights (default {defaults.save_dtype}: half the file of float32)",
+        help=f"dtype of the saved weights (default {defaults.save_dtype}: half the file of float32)",
     )
-    p.add_argument("--time-budget-min", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="stop training after MIN minutes (default: none)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument(
         "--init-from",
         default=None,
+        metavar="DIR",
         help="start from this saved drafter's weights (same kind and sizes; new token map, optimiser, schedule)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_drafter)
     return p
 
