@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
+from specdecode.models.batch import BatchedRunner
 from specdecode.models.runner import ModelRunner
 from specdecode.schedule import acceptance_trials
-from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.cost import (
     AcceptanceEstimate,
     CostModel,

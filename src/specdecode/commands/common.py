@@ -102,6 +102,19 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": args.backend, "threads": args.threads, "exact": args.exact}
 
 
+def resolve_auto_proposer(args: argparse.Namespace) -> None:
+    """``--proposer auto``: the backend's measured best (:func:`specdecode.models.backends.default_proposer`),
+    its options set where the user set none; other proposers stay as they are."""
+    if args.proposer != "auto":
+        return
+    from specdecode.models.backends import default_proposer, resolve_backend
+
+    args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
+    for option, value in defaults.items():  # options the user set win
+        if getattr(args, option, None) is None:
+            setattr(args, option, value)
+
+
 def _option_type(default: Any, annotation: str) -> type:
     """The argparse type of a config field: its default's type, or for a None default the first
     of int / float named in its annotation (``"int | None"`` -> int), else str."""

@@ -14,6 +14,7 @@ from specdecode.commands.common import (
     add_proposer_args,
     backend_options,
     proposer_options,
+    resolve_auto_proposer,
 )
 
 
@@ -130,13 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         parse_tree(args.tree)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
-    if args.proposer == "auto":
-        from specdecode.models.backends import default_proposer, resolve_backend
-
-        args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
-        for option, value in defaults.items():  # options the user set win
-            if getattr(args, option, None) is None:
-                setattr(args, option, value)
+    resolve_auto_proposer(args)
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
         draft=args.draft,

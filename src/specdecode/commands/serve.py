@@ -17,10 +17,13 @@ from typing import Any
 
 from specdecode.commands.common import (
     PROPOSER_KS,
+    add_backend_args,
     add_command_parser,
     add_model_args,
     add_proposer_args,
+    backend_options,
     proposer_options,
+    resolve_auto_proposer,
 )
 
 
@@ -33,7 +36,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve an OpenAI-compatible API with batched speculative decoding",
     )
     add_model_args(s)
-    add_proposer_args(s)
+    add_backend_args(s)
+    add_proposer_args(s, auto=True)
     s.add_argument(
         "-k",
         "--num-speculative-tokens",
@@ -64,7 +68,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=65536,
         metavar="N",
-        help="KV-cache tokens reserved at most (default 65536)",
+        help="KV-cache tokens reserved at most; llamacpp reserves them at start-up, "
+        "split evenly over --max-batch-size rows: a row's most tokens (default 65536)",
     )
     s.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="most waiting requests; more get HTTP 429 (default 64)"
@@ -119,26 +124,68 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from specdecode.models.default import DEFAULT_TARGET
-    from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
-    from specdecode.proposers import get_spec
-    from specdecode.proposers.vocabulary import draft_proposer
+    from specdecode.models.backends import resolve_backend
+    from specdecode.models.loading import parse_dtype
     from specdecode.serve.server import build_app
 
     parse_dtype(args.dtype)
-    spec = get_spec(args.proposer)
+    options = backend_options(args)
+    resolve_auto_proposer(args)
     settings_from_args(args, "check")  # every flag checked before any weights load
+    if resolve_backend(args.backend, args.target, args.dtype) == "llamacpp":
+        target, tokenizer, draft, name = _load_llamacpp(args, options["threads"], options["exact"])
+    else:
+        target, tokenizer, draft, name = _load_torch(args)
+    settings = settings_from_args(args, name)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app, _ = build_app(target, tokenizer, settings, draft=draft)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _load_torch(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+    """``(target, tokenizer, draft or None, model name)`` on the torch backend; a draft of another
+    vocabulary switches ``args.proposer`` to ``cross_tokenizer`` (as ``from_pretrained`` does)."""
+    from specdecode.models.default import DEFAULT_TARGET
+    from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
+    from specdecode.proposers import get_spec
+    from specdecode.proposers.vocabulary import draft_proposer
+
+    spec = get_spec(args.proposer)
     target_dir = resolve_model_dir(args.target, "target")
     name = DEFAULT_TARGET.name if args.target is None else target_dir.name
-    settings = settings_from_args(args, name)
     draft_dir = resolve_model_dir(args.draft, "draft") if spec.needs_draft or args.draft else None
     proposer = draft_proposer(args.proposer, target_dir, draft_dir, announce="specdecode serve")  # as from_pretrained
     if proposer != args.proposer:  # a draft of another vocabulary: its options checked before any weights load
         args.proposer = proposer
-        settings = settings_from_args(args, name)
+        settings_from_args(args, name)
     target = load_model(target_dir, "target", args.dtype, prepack_now=True)  # batched and verified passes: many rows
     draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, _ = build_app(target, load_tokenizer(target_dir), settings, draft=draft)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return target, load_tokenizer(target_dir), draft, name
+
+
+def _load_llamacpp(args: argparse.Namespace, threads: int | None, exact: bool) -> tuple[Any, Any, Any, str]:
+    """``(target, tokenizer, draft or None, model name)`` on the llamacpp backend (GGUF files).
+
+    Raises:
+        ValueError: a proposer the backend cannot serve (the message names both).
+        ModelNotFoundError: a path is not a ``.gguf`` file or does not exist.
+    """
+    from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
+    from specdecode.models.default import DEFAULT_TARGET
+    from specdecode.models.llamacpp import LlamaCppOptions
+    from specdecode.proposers import get_spec
+
+    spec = get_spec(args.proposer)
+    if "llamacpp" not in spec.backends:
+        raise ValueError(
+            f"--proposer {args.proposer}: not available on the llamacpp backend (it runs on "
+            f"{', '.join(spec.backends)}); use --backend torch"
+        )
+    options = LlamaCppOptions(threads=threads, exact=exact)
+    target_path = gguf_path(args.target, "target")  # every path checked before any weights load
+    draft_path = gguf_path(args.draft, "draft") if spec.needs_draft or args.draft else None
+    name = DEFAULT_TARGET.name if args.target is None else target_path.stem
+    target = load_llamacpp(target_path, "target", options)
+    draft = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
+    return target, load_llamacpp_tokenizer(target), draft, name

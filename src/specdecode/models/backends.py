@@ -135,6 +135,25 @@ def make_runner(model: Any) -> Any:
     return ModelRunner(model)
 
 
+def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = None) -> Any:
+    """The batched runner (many sequences, one pass; the server's) of a loaded model: for a llama.cpp
+    model a :class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner` (its context reserves
+    ``row_capacity`` tokens per row, default the model's ``n_ctx``), else a
+    :class:`~specdecode.models.batch.BatchedRunner` over a ``transformers`` model (its cache starts
+    at ``min(row_capacity, 256)`` positions per row and grows as needed).
+
+    Raises:
+        ValueError: ``max_rows`` < 1, or a model the batched runner cannot run.
+    """
+    if backend_of(model) == "llamacpp":
+        from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
+
+        return LlamaCppBatchedRunner(model, max_rows, (row_capacity or model.options.n_ctx) * max_rows)
+    from specdecode.models.batch import BatchedRunner
+
+    return BatchedRunner(model, max_rows, capacity=min(row_capacity or 256, 256))
+
+
 def backend_of(model: Any) -> str:
     """``"llamacpp"`` or ``"torch"``: the backend a loaded model runs on (its ``backend`` attribute)."""
     return str(getattr(model, "backend", "torch"))

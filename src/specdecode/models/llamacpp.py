@@ -182,6 +182,36 @@ class LlamaCppModel:
             self._model = None
 
 
+def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> Any:
+    """A llama.cpp context (its own KV cache) on ``model`` with ``model.options``: ``n_ctx`` cells
+    (cut to the training context), ``n_seq_max`` sequences each in its own KV stream
+    (``kv_unified`` off: a sequence's cells and attention never depend on another's), flash
+    attention as :attr:`LlamaCppOptions.flash_attn` says.
+
+    Raises:
+        ValueError: llama.cpp cannot create the context.
+    """
+    lib = _lib()
+    options = model.options
+    params = lib.llama_context_default_params()
+    params.n_ctx = min(n_ctx, model.n_ctx_train * n_seq_max)
+    params.n_batch = params.n_ubatch = options.n_batch
+    params.n_seq_max = n_seq_max
+    params.kv_unified = False
+    params.n_threads = params.n_threads_batch = options.n_threads
+    flash = options.flash_attn if options.flash_attn is not None else (False if options.exact else None)
+    params.flash_attn_type = {
+        None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+        False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    }[flash]
+    params.no_perf = True
+    ctx = lib.llama_init_from_model(model._model, params)
+    if not ctx:
+        raise ValueError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path}")
+    return ctx
+
+
 class LlamaCppRunner:
     """One sequence on a :class:`LlamaCppModel` (batch 1), its KV cache rolled back by truncation.
 
@@ -203,21 +233,7 @@ class LlamaCppRunner:
         lib = _lib()
         self.model = model
         options = model.options
-        params = lib.llama_context_default_params()
-        params.n_ctx = min(n_ctx or options.n_ctx, model.n_ctx_train)
-        params.n_batch = params.n_ubatch = options.n_batch
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = options.n_threads
-        flash = options.flash_attn if options.flash_attn is not None else (False if options.exact else None)
-        params.flash_attn_type = {
-            None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-            True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        }[flash]
-        params.no_perf = True
-        self._ctx = lib.llama_init_from_model(model._model, params)
-        if not self._ctx:
-            raise ValueError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path}")
+        self._ctx = new_context(model, n_ctx or options.n_ctx, n_seq_max=1)
         self._n_ctx = int(lib.llama_n_ctx(self._ctx))
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)

@@ -68,6 +68,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -251,7 +252,7 @@ def default_batch_grid(max_batch_size: int) -> list[int]:
 
 
 def measure_target_costs(
-    model: PreTrainedModel,
+    model: PreTrainedModel | Any,
     batch_sizes: Sequence[int],
     tokens: Sequence[int],
     context: int = 64,
@@ -259,7 +260,8 @@ def measure_target_costs(
 ) -> CostModel:
     """Time one batched target pass for every (B, T) of the grid, after ``context`` cached tokens per row.
 
-    Uses its own :class:`~specdecode.serve.batch.BatchedRunner` (its own cache), so it can run
+    Uses its own batched runner (:func:`~specdecode.models.backends.make_batched_runner`: its own
+    cache), so it can run
     before serving starts. One warm-up sweep over the grid, then ``repeats`` timed sweeps; each
     point keeps its fastest pass (the least disturbed by other processes). Sweeping the whole grid
     per repeat, rather than repeating one point before the next, spreads a disturbance of a few
@@ -270,10 +272,10 @@ def measure_target_costs(
     Returns:
         a :class:`CostModel` without draft costs.
     """
-    from specdecode.serve.batch import BatchedRunner
+    from specdecode.models.backends import make_batched_runner
 
     batch_sizes, tokens = sorted(set(batch_sizes)), sorted(set(tokens))
-    runner = BatchedRunner(model, max(batch_sizes), capacity=context + max(tokens))
+    runner = make_batched_runner(model, max(batch_sizes), context + max(tokens))
     g = torch.Generator().manual_seed(0)
     V = runner.vocab_size
     prompt = torch.randint(0, V, (context,), generator=g)

@@ -11,7 +11,7 @@ scheduler thread loops:
    ``--speculation``) and ask its own proposer (one instance per sequence, built by
    :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not) for k tokens;
 2. **score**: ONE batched target pass over every row's ``[last token + draft]`` (ragged,
-   :class:`~specdecode.serve.batch.BatchedRunner`);
+   :class:`~specdecode.models.batch.BatchedRunner`);
 3. **verify** each row with :func:`specdecode.verify.verify` and the request's own
    ``torch.Generator`` (seeded from the request's ``seed``);
 4. **roll back** each row to its context plus its accepted tokens (``truncate``: a length
@@ -44,12 +44,12 @@ from transformers import PreTrainedModel
 
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.errors import IncompatibleModelsError
+from specdecode.models.backends import backend_of, make_batched_runner
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens
 from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.schedule import acceptance_trials, expected_tokens
 from specdecode.serve.audit import AuditLog, audit_record
-from specdecode.serve.batch import BatchedRunner
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import (
     INITIAL_ACCEPTANCE,
@@ -101,12 +101,13 @@ class Scheduler:
         audit: AuditLog | None = None,
         cost: CostModel | None = None,
     ) -> None:
-        self.target = target.eval()
-        self.draft = draft.eval() if draft is not None else None
+        self.target = target  # runners put a torch model in eval mode
+        self.draft = draft
+        self.backend = backend_of(target)
         self.settings = settings
         self.tokenizer = copy.deepcopy(tokenizer)  # this thread's own: fast tokenizers are not shared safely
         self.eos = eos_token_ids(target, tokenizer)
-        self.runner = BatchedRunner(target, settings.max_batch_size)
+        self.runner = make_batched_runner(target, settings.max_batch_size, self._row_capacity())
         self.metrics = metrics or ServeMetrics()
         self.metrics.kv_budget.set(settings.kv_budget_tokens)
         self.audit = audit
@@ -152,9 +153,15 @@ class Scheduler:
         return sorted(
             n
             for n, s in PROPOSERS.items()
-            if (not s.needs_draft or (self.draft is not None and self._drafts_as_itself(n)))
+            if self.backend in s.backends
+            and (not s.needs_draft or (self.draft is not None and self._drafts_as_itself(n)))
             and (not s.needs_target_features or self._has_drafter(n))
         )
+
+    def _row_capacity(self) -> int:
+        """KV-cache tokens one row may need: the budget shared out over the rows (a llama.cpp context
+        reserves them at creation; the torch cache starts smaller and grows)."""
+        return self.settings.kv_budget_tokens // self.settings.max_batch_size
 
     def _drafts_as_itself(self, name: str) -> bool:
         """The loaded draft can serve proposer ``name`` (another vocabulary: only ``cross_tokenizer``)."""
@@ -235,11 +242,11 @@ class Scheduler:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
         if P >= self.max_length:
             raise InvalidRequestError(
-                f"the prompt has {P} tokens; the model's context is {self.max_length} tokens", "prompt"
+                f"the prompt has {P} tokens; a sequence's context on this server is {self.max_length} tokens", "prompt"
             )
         if P + req.sampling.max_new_tokens > self.max_length:
             raise InvalidRequestError(
-                f"the prompt ({P} tokens) plus max_tokens ({req.sampling.max_new_tokens}) exceeds the model's "
+                f"the prompt ({P} tokens) plus max_tokens ({req.sampling.max_new_tokens}) exceeds a sequence's "
                 f"context of {self.max_length} tokens: lower max_tokens",
                 "max_tokens",
             )
@@ -327,7 +334,7 @@ class Scheduler:
         tic = time.perf_counter()
         k = self.settings.k_for(self.settings.proposer)
         tokens = sorted({1, 2, 3, k // 2 + 1, k + 1})
-        cost = measure_target_costs(self.target, default_batch_grid(self.settings.max_batch_size), tokens)
+        cost = measure_target_costs(self.target, default_batch_grid(self.settings.max_batch_size), tokens)  # own cache
         name = self.settings.proposer
         if name is not None:  # other proposers are measured on their first use (CostModel.observe_draft)
             proposer = make_proposer(name, draft=self.draft, target=self.target, **self.settings.proposer_options)

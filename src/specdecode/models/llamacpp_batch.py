@@ -1,0 +1,231 @@
+"""Many sequences in one llama.cpp context: the llamacpp backend's batched runner (the server's).
+
+:class:`LlamaCppBatchedRunner` has the interface of the torch backend's
+:class:`~specdecode.models.batch.BatchedRunner` (rows ``0 .. num_rows - 1``, ``add_row``,
+``remove_row``, ``truncate(row, n)``, ``forward(first, inputs, num_logits)``), over one llama.cpp
+context holding up to ``max_rows`` sequences. Each row is a llama.cpp sequence id with its own KV
+stream (``kv_unified`` off: a row's cells, and so its attention, never depend on another row's);
+rollback is ``llama_memory_seq_rm`` of that sequence; a row that leaves frees its cells, and the
+last row takes its index without moving any data (only the row -> sequence id map changes).
+
+A :meth:`~LlamaCppBatchedRunner.forward` over several rows puts their tokens into llama.cpp
+batches, each token tagged with its row's sequence id and position:
+
+- ``exact=False`` (fast): one ``llama_decode`` over every row's tokens (split only when they
+  exceed ``n_batch``): the continuous-batching pass. llama.cpp's matrix kernels pick their summation
+  order by the pass's total rows, so a row's logits may differ in the last bits from the same row
+  decoded alone: greedy output equals each request decoded alone up to near-ties.
+- ``exact=True`` (the default, as for one sequence): every ``llama_decode`` carries at most
+  :attr:`~specdecode.models.llamacpp.LlamaCppOptions.invariant_tokens` tokens in all, the passes
+  measured bit-identical to one-token passes (:mod:`specdecode.models.llamacpp`), so each row gets
+  the logits it would get alone and greedy output equals plain decoding by construction. A prefill
+  (one scored position) goes alone, in ``n_batch`` chunks, as the single-sequence runner does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specdecode.models.llamacpp import LlamaCppModel, _lib, new_context
+
+
+class LlamaCppBatchedRunner:
+    """Up to ``max_rows`` sequences of a :class:`~specdecode.models.llamacpp.LlamaCppModel` in one
+    llama.cpp context.
+
+    Args:
+        model: the loaded GGUF model (its :class:`~specdecode.models.llamacpp.LlamaCppOptions`:
+            threads, ``n_batch``, ``exact``, ``invariant_tokens``).
+        max_rows: the most sequences at once (llama.cpp's ``n_seq_max``).
+        n_ctx: KV cells of the whole context (default: ``options.n_ctx`` per row); each row may hold
+            ``n_ctx // max_rows`` tokens (:attr:`max_length`).
+
+    Raises:
+        ValueError: ``max_rows`` < 1, or llama.cpp cannot create the context.
+    """
+
+    def __init__(self, model: LlamaCppModel, max_rows: int, n_ctx: int | None = None) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+        lib = _lib()
+        self.model = model
+        self.max_rows = max_rows
+        options = model.options
+        self._ctx = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
+        self._per_row = int(lib.llama_n_ctx(self._ctx)) // max_rows
+        self._memory = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
+        self._lib = lib
+        self.lengths: list[int] = []  # per row: cached tokens
+        self.seq_ids: list[int] = []  # per row: its llama.cpp sequence id
+        self._free_ids = list(range(max_rows - 1, -1, -1))  # unused sequence ids (pop from the end)
+        self.passes = 0  # llama_decode calls made
+
+    # ------------------------------------------------------------------ rows
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # logits come back in host memory
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        """Tokens one row holds: the context's cells over ``max_rows``."""
+        return self._per_row
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def add_row(self) -> int:
+        """Start an empty row at the end; returns its index.
+
+        Raises:
+            RuntimeError: all ``max_rows`` rows are in use.
+        """
+        if not self._free_ids:
+            raise RuntimeError(f"all {self.max_rows} rows of the batched runner are in use")
+        seq = self._free_ids.pop()
+        self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)  # empty, whatever it held before
+        self.seq_ids.append(seq)
+        self.lengths.append(0)
+        return self.num_rows - 1
+
+    def remove_row(self, row: int) -> int | None:
+        """Free ``row`` (its cells); the last row takes its index (no data moves).
+
+        Returns:
+            the former index of the row that moved to ``row``, or None when ``row`` was the last.
+        """
+        last = self.num_rows - 1
+        if not 0 <= row <= last:
+            raise ValueError(f"row must be in [0, {last}], got {row}")
+        seq = self.seq_ids[row]
+        self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)
+        self._free_ids.append(seq)
+        if row == last:
+            self.seq_ids.pop()
+            self.lengths.pop()
+            return None
+        self.seq_ids[row] = self.seq_ids.pop()
+        self.lengths[row] = self.lengths.pop()
+        return last
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of ``row`` (rollback).
+
+        Raises:
+            ValueError: ``length`` is negative or longer than the row.
+        """
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"truncate length of row {row} must be in [0, {self.lengths[row]}], got {length}")
+        if length < self.lengths[row]:
+            if not self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[row], length, -1):  # pragma: no cover
+                raise RuntimeError(f"llama.cpp could not truncate row {row} to {length} tokens")
+            self.lengths[row] = length
+
+    # ------------------------------------------------------------------ passes
+    def forward(
+        self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int], return_hidden: bool = False
+    ) -> list[torch.Tensor]:
+        """Append ``inputs[b]`` to row ``first + b`` for every b.
+
+        Args:
+            first: the first row; the call covers rows ``first .. first + len(inputs) - 1``.
+            inputs: per row, int64 ``[n_b]`` (n_b >= 1), the tokens after the row's cached ones.
+            num_logits: per row, how many of its last positions to score (1 <= num_logits[b] <= n_b).
+            return_hidden: not served by this runner (features are for Medusa / EAGLE, which run on
+                the torch backend).
+
+        Returns:
+            per row, float32 ``[num_logits[b], V]``; row i scores the token after
+            ``inputs[b][n_b - num_logits[b] + i]``, as the single-sequence runner does.
+
+        Raises:
+            ValueError: rows outside ``0 .. num_rows - 1``, an empty input, a bad ``num_logits``, a
+                row that would not fit in :attr:`max_length`, or ``return_hidden``.
+            RuntimeError: ``llama_decode`` failed.
+        """
+        B = len(inputs)
+        if B == 0 or len(num_logits) != B or not 0 <= first <= first + B <= self.num_rows:
+            raise ValueError(f"rows {first}..{first + B - 1} with {len(num_logits)} num_logits, have {self.num_rows}")
+        if return_hidden:
+            raise ValueError("return_hidden: the llamacpp batched runner returns no features (use --backend torch)")
+        tokens = [[int(t) for t in x.reshape(-1).tolist()] for x in inputs]
+        for b, (ids, m) in enumerate(zip(tokens, num_logits, strict=True)):
+            row = first + b
+            if not ids or not 1 <= m <= len(ids):
+                raise ValueError(f"row {row}: need 1 <= num_logits ({m}) <= tokens ({len(ids)})")
+            if self.lengths[row] + len(ids) > self._per_row:
+                raise ValueError(
+                    f"row {row}: {self.lengths[row] + len(ids)} tokens exceed the {self._per_row} a row holds"
+                )
+        # Every token as (row, position in the row's input, scored?), in passes.
+        entries = [
+            (first + b, i, i >= len(ids) - m)
+            for b, (ids, m) in enumerate(zip(tokens, num_logits, strict=True))
+            for i in range(len(ids))
+        ]
+        options = self.model.options
+        exact = options.exact
+        limit = options.n_batch
+        out: dict[int, list[torch.Tensor]] = {first + b: [] for b in range(B)}
+        if exact:
+            prefills = [first + b for b, m in enumerate(num_logits) if m == 1 and len(tokens[b]) > 1]
+            for row in prefills:  # one scored position over many tokens: alone, as one sequence prefills
+                ids = tokens[row - first]
+                rows_entries = [(row, i, i == len(ids) - 1) for i in range(len(ids))]
+                for start in range(0, len(ids), limit):
+                    out[row] += self._decode(rows_entries[start : start + limit], tokens, first)
+            entries = [e for e in entries if e[0] not in prefills]
+            limit = min(limit, options.invariant_tokens)
+        for start in range(0, len(entries), limit):
+            logits = self._decode(entries[start : start + limit], tokens, first)
+            scored = [e[0] for e in entries[start : start + limit] if e[2]]
+            for row, row_logits in zip(scored, logits, strict=True):
+                out[row].append(row_logits)
+        for b, ids in enumerate(tokens):
+            self.lengths[first + b] += len(ids)
+        return [torch.stack(out[first + b]) for b in range(B)]
+
+    def _decode(self, entries: list[tuple[int, int, bool]], tokens: list[list[int]], first: int) -> list[torch.Tensor]:
+        """One ``llama_decode`` of ``entries`` (row, index into the row's input, scored?) at positions
+        ``lengths[row] + index`` (lengths advance once the whole forward is done); the float32 logits
+        ``[V]`` of the scored ones, in order."""
+        batch, lib = self._batch, self._lib
+        for j, (row, i, scored) in enumerate(entries):
+            batch.token[j] = tokens[row - first][i]
+            batch.pos[j] = self.lengths[row] + i
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = self.seq_ids[row]
+            batch.logits[j] = scored
+        batch.n_tokens = len(entries)
+        status = lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} ({len(entries)} tokens)")
+        self.passes += 1
+        V = self.vocab_size
+        result = []
+        for j, (_, _, scored) in enumerate(entries):
+            if scored:
+                pointer = lib.llama_get_logits_ith(self._ctx, j)
+                array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(V,))
+                result.append(torch.from_numpy(array.copy()))
+        return result
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is None:
+            return
+        try:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+        self._lib = None
