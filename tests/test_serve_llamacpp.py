@@ -112,6 +112,28 @@ def test_batched_runner_rows_equal_one_sequence_alone(target) -> None:
         batched.forward(0, [steps[0][:1]], [1], return_hidden=True)
 
 
+def test_a_wrong_greedy_draft_stops_its_row_early(target) -> None:
+    """With ``greedy_drafts``, a row whose split verification pass already disagrees with its draft
+    stops after that pass (the verifier rejects there); the logits computed are the same, the other
+    rows go on, and the row caches only the tokens decoded."""
+    from specdecode.models.backends import make_batched_runner
+
+    model, _ = target
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 5000, (n,), generator=g) for n in (40, 60)]
+    steps = [torch.randint(0, 5000, (7,), generator=g) for _ in prompts]
+    full, early = make_batched_runner(model, 2, 512), make_batched_runner(model, 2, 512)
+    for runner in (full, early):
+        runner.add_row(), runner.add_row()
+        runner.forward(0, prompts, [1, 1])
+    expected = full.forward(0, steps, [7, 7])
+    wrong = torch.full((6,), -1, dtype=torch.int64)  # never an argmax: row 0 stops after its first pass
+    got = early.forward(0, steps, [7, 7], greedy_drafts=[wrong, None])
+    assert got[0].shape[0] == 3 and torch.equal(got[0], expected[0][:3])  # passes of invariant_tokens = 3
+    assert torch.equal(got[1], expected[1])
+    assert early.lengths == [40 + 3, 60 + 7]
+
+
 def test_concurrent_requests_equal_each_request_alone(server, target) -> None:
     """Four requests at once, speculating (prompt lookup) in one llama.cpp context, each give the
     greedy tokens of the request decoded alone without speculation on this backend."""

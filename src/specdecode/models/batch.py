@@ -226,7 +226,12 @@ class BatchedRunner:
 
     @torch.inference_mode()
     def forward(
-        self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int], return_hidden: bool = False
+        self,
+        first: int,
+        inputs: Sequence[torch.Tensor],
+        num_logits: Sequence[int],
+        return_hidden: bool = False,
+        greedy_drafts: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Append ``inputs[b]`` to row ``first + b`` for every b, in one pass of the model.
 
@@ -238,6 +243,8 @@ class BatchedRunner:
                 what the LM head reads) of every input token, for proposers that draft from them
                 (Medusa, EAGLE); the pass is then ``get_decoder()`` followed by the LM head, checked
                 once per model to give the model's own logits.
+            greedy_drafts: unused (every row is scored in one pass); the llama.cpp batched runner
+                uses it to stop a split verification pass early.
 
         Returns:
             per row, float32 ``[num_logits[b], V]``; row i scores the token after

@@ -132,7 +132,12 @@ class LlamaCppBatchedRunner:
 
     # ------------------------------------------------------------------ passes
     def forward(
-        self, first: int, inputs: Sequence[torch.Tensor], num_logits: Sequence[int], return_hidden: bool = False
+        self,
+        first: int,
+        inputs: Sequence[torch.Tensor],
+        num_logits: Sequence[int],
+        return_hidden: bool = False,
+        greedy_drafts: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """Append ``inputs[b]`` to row ``first + b`` for every b.
 
@@ -142,10 +147,17 @@ class LlamaCppBatchedRunner:
             num_logits: per row, how many of its last positions to score (1 <= num_logits[b] <= n_b).
             return_hidden: not served by this runner (features are for Medusa / EAGLE, which run on
                 the torch backend).
+            greedy_drafts: per row, for a greedy verification pass (``num_logits[b] == n_b``), the
+                drafted tokens ``inputs[b][1:]`` (else None): in exact mode, which splits passes
+                anyway, a row stops after the first pass in which a scored position's argmax
+                disagrees with its draft (the verifier rejects there; later rows would be thrown
+                away), as :meth:`~specdecode.models.llamacpp.LlamaCppRunner.forward` does.
 
         Returns:
             per row, float32 ``[num_logits[b], V]``; row i scores the token after
-            ``inputs[b][n_b - num_logits[b] + i]``, as the single-sequence runner does.
+            ``inputs[b][n_b - num_logits[b] + i]``, as the single-sequence runner does. A row that
+            stopped early (``greedy_drafts``) has fewer, ``[m_b, V]``, and only its first ``m_b``
+            tokens are cached (:attr:`lengths` says so).
 
         Raises:
             ValueError: rows outside ``0 .. num_rows - 1``, an empty input, a bad ``num_logits``, a
@@ -173,25 +185,40 @@ class LlamaCppBatchedRunner:
             for i in range(len(ids))
         ]
         options = self.model.options
-        exact = options.exact
         limit = options.n_batch
         out: dict[int, list[torch.Tensor]] = {first + b: [] for b in range(B)}
-        if exact:
+        done = dict.fromkeys(out, 0)  # per row: input tokens decoded
+        if options.exact:
             prefills = [first + b for b, m in enumerate(num_logits) if m == 1 and len(tokens[b]) > 1]
             for row in prefills:  # one scored position over many tokens: alone, as one sequence prefills
                 ids = tokens[row - first]
                 rows_entries = [(row, i, i == len(ids) - 1) for i in range(len(ids))]
                 for start in range(0, len(ids), limit):
                     out[row] += self._decode(rows_entries[start : start + limit], tokens, first)
+                done[row] = len(ids)
             entries = [e for e in entries if e[0] not in prefills]
             limit = min(limit, options.invariant_tokens)
-        for start in range(0, len(entries), limit):
-            logits = self._decode(entries[start : start + limit], tokens, first)
-            scored = [e[0] for e in entries[start : start + limit] if e[2]]
-            for row, row_logits in zip(scored, logits, strict=True):
+        drafts = {
+            first + b: d
+            for b, d in enumerate(greedy_drafts or [])
+            if d is not None and options.exact and num_logits[b] == len(tokens[b])
+        }
+        stopped: set[int] = set()
+        while entries:
+            part, entries = entries[:limit], entries[limit:]
+            logits = self._decode(part, tokens, first)
+            scored = [(row, i) for row, i, is_scored in part if is_scored]
+            for (row, i), row_logits in zip(scored, logits, strict=True):
                 out[row].append(row_logits)
-        for b, ids in enumerate(tokens):
-            self.lengths[first + b] += len(ids)
+                draft = drafts.get(row)
+                if draft is not None and i < len(draft) and int(row_logits.argmax()) != int(draft[i]):
+                    stopped.add(row)  # the verifier rejects the draft token at i: the rest is wasted
+            for row, _, _ in part:
+                done[row] += 1
+            if stopped:
+                entries = [e for e in entries if e[0] not in stopped]
+        for row, n in done.items():
+            self.lengths[row] += n
         return [torch.stack(out[first + b]) for b in range(B)]
 
     def _decode(self, entries: list[tuple[int, int, bool]], tokens: list[list[int]], first: int) -> list[torch.Tensor]:

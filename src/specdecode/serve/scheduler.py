@@ -478,8 +478,9 @@ class Scheduler:
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
         inputs = [s.step_input(d.ids) for s, d in zip(seqs, drafts, strict=True)]
+        hints = [d.ids.cpu() if s.sampling.greedy and len(d) else None for s, d in zip(seqs, drafts, strict=True)]
         tic = time.perf_counter()
-        logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs])  # 2. one batched pass
+        logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs], hints)  # 2. one batched pass
         seconds = time.perf_counter() - tic
         if self.cost is not None:
             self.cost.observe_target(len(seqs), max(x.shape[0] for x in inputs), seconds)
@@ -489,7 +490,8 @@ class Scheduler:
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
             ids = draft.ids.cpu()
             probs = draft.probs.cpu() if draft.probs is not None else None
-            result = verify(ids, probs, row_logits.cpu(), s.sampling, s.generator)  # 3. verify
+            scored = row_logits.shape[0] - 1  # fewer than drafted only if greedy and a draft token was wrong
+            result = verify(ids[:scored], probs, row_logits.cpu(), s.sampling, s.generator)  # 3. verify
             n = result.num_accepted
             self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
             kept = row_hidden[: n + 1] if row_hidden is not None else None  # features of the root + accepted drafts
@@ -510,14 +512,20 @@ class Scheduler:
         phase.labels(phase="step").observe(toc - t0)
 
     def _forward(
-        self, seqs: list[RunningSequence], inputs: list[torch.Tensor], num_logits: list[int]
+        self,
+        seqs: list[RunningSequence],
+        inputs: list[torch.Tensor],
+        num_logits: list[int],
+        hints: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One batched target pass over the rows of ``seqs`` (rows ``seqs[0].row ..``); the target's
-        features per row (``[n_b, H]``) for the rows whose proposer reads them, else None."""
+        features per row (``[n_b, H]``) for the rows whose proposer reads them, else None. ``hints``:
+        per row its greedy draft (a split pass may stop that row at a wrong draft token: fewer logits)."""
         wants = [needs_features(s.proposer) for s in seqs]
+        first = seqs[0].row
         if not any(wants):
-            return self.runner.forward(seqs[0].row, inputs, num_logits), [None] * len(seqs)  # type: ignore[return-value]
-        logits, hidden = self.runner.forward(seqs[0].row, inputs, num_logits, return_hidden=True)
+            return self.runner.forward(first, inputs, num_logits, greedy_drafts=hints), [None] * len(seqs)  # type: ignore[return-value]
+        logits, hidden = self.runner.forward(first, inputs, num_logits, return_hidden=True, greedy_drafts=hints)
         return logits, [h if w else None for h, w in zip(hidden, wants, strict=True)]
 
     def _draft(self, s: RunningSequence, k: int) -> DraftTokens:
