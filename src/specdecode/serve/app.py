@@ -418,7 +418,8 @@ async def _collect(
     request: Request,
     token_ids: bool,
 ) -> Response:
-    """Wait for the whole generation; abort it if the client disconnects first."""
+    """Wait for the whole generation; abort it if the client disconnects first (or the handler is
+    cancelled)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -440,6 +441,9 @@ async def _collect(
             text.append(event.text)
             if event.finish_reason is not None:
                 break
+    except asyncio.CancelledError:  # a server that cancels the handler when the client leaves (Ray Serve)
+        scheduler.abort(req.request_id)
+        raise
     finally:
         watcher.cancel()
     if event.finish_reason in _FAILURES:
