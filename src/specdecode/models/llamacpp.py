@@ -212,6 +212,40 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> Any:
     return ctx
 
 
+def decode_batch(
+    lib: Any, ctx: Any, batch: Any, tokens: list[int], positions: list[int], seq_ids: list[int], scored: list[bool]
+) -> None:
+    """Fill ``batch`` (from ``llama_batch_init``) with one token per entry: id, position, its one
+    sequence id and whether to score it; then one ``llama_decode`` on ``ctx``.
+
+    Raises:
+        RuntimeError: ``llama_decode`` failed (the status and the token count are named).
+    """
+    for j, token in enumerate(tokens):
+        batch.token[j] = token
+        batch.pos[j] = positions[j]
+        batch.n_seq_id[j] = 1
+        batch.seq_id[j][0] = seq_ids[j]
+        batch.logits[j] = scored[j]
+    batch.n_tokens = len(tokens)
+    status = lib.llama_decode(ctx, batch)
+    if status != 0:
+        raise RuntimeError(f"llama_decode failed with status {status} ({len(tokens)} tokens at {positions[0]}..)")
+
+
+def free_context(owner: Any) -> None:
+    """Free ``owner._batch`` and ``owner._ctx`` once (a runner's ``__del__``; quiet at interpreter exit)."""
+    lib = getattr(owner, "_lib", None)
+    if lib is None:
+        return
+    try:
+        lib.llama_batch_free(owner._batch)
+        lib.llama_free(owner._ctx)
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+    owner._lib = None
+
+
 class LlamaCppRunner:
     """One sequence on a :class:`LlamaCppModel` (batch 1), its KV cache rolled back by truncation.
 
@@ -348,18 +382,9 @@ class LlamaCppRunner:
         """One ``llama_decode`` of ``ids`` at the next positions; float32 logits ``[sum(scored), V]``
         of the scored tokens (None if none). With ``hidden`` (embeddings on: llama.cpp outputs every
         token), the scored rows are picked from all n, and the n hidden states ``[n, H]`` are appended."""
-        batch, lib = self._batch, self._lib
+        lib = self._lib
         n = len(ids)
-        batch.n_tokens = n
-        for i, token in enumerate(ids):
-            batch.token[i] = token
-            batch.pos[i] = self.length + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = scored[i]
-        status = lib.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status} at length {self.length} (+{n} tokens)")
+        decode_batch(lib, self._ctx, self._batch, ids, list(range(self.length, self.length + n)), [0] * n, scored)
         self.length += n
         self.passes += 1
         if hidden is not None:
@@ -390,12 +415,4 @@ class LlamaCppRunner:
         raise ValueError("token trees: the llamacpp backend drafts chains only for now; use --backend torch for --tree")
 
     def __del__(self) -> None:
-        lib = getattr(self, "_lib", None)
-        if lib is None:
-            return
-        try:
-            lib.llama_batch_free(self._batch)
-            lib.llama_free(self._ctx)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-        self._lib = None
+        free_context(self)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdecode.models.llamacpp import LlamaCppModel, _lib, new_context
+from specdecode.models.llamacpp import LlamaCppModel, _lib, decode_batch, free_context, new_context
 
 
 class LlamaCppBatchedRunner:
@@ -169,7 +169,7 @@ class LlamaCppBatchedRunner:
             raise ValueError(f"rows {first}..{first + B - 1} with {len(num_logits)} num_logits, have {self.num_rows}")
         if return_hidden:
             raise ValueError("return_hidden: the llamacpp batched runner returns no features (use --backend torch)")
-        tokens = [[int(t) for t in x.reshape(-1).tolist()] for x in inputs]
+        tokens = [x.reshape(-1).tolist() for x in inputs]
         for b, (ids, m) in enumerate(zip(tokens, num_logits, strict=True)):
             row = first + b
             if not ids or not 1 <= m <= len(ids):
@@ -225,17 +225,16 @@ class LlamaCppBatchedRunner:
         """One ``llama_decode`` of ``entries`` (row, index into the row's input, scored?) at positions
         ``lengths[row] + index`` (lengths advance once the whole forward is done); the float32 logits
         ``[V]`` of the scored ones, in order."""
-        batch, lib = self._batch, self._lib
-        for j, (row, i, scored) in enumerate(entries):
-            batch.token[j] = tokens[row - first][i]
-            batch.pos[j] = self.lengths[row] + i
-            batch.n_seq_id[j] = 1
-            batch.seq_id[j][0] = self.seq_ids[row]
-            batch.logits[j] = scored
-        batch.n_tokens = len(entries)
-        status = lib.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status} ({len(entries)} tokens)")
+        lib = self._lib
+        decode_batch(
+            lib,
+            self._ctx,
+            self._batch,
+            [tokens[row - first][i] for row, i, _ in entries],
+            [self.lengths[row] + i for row, i, _ in entries],
+            [self.seq_ids[row] for row, _, _ in entries],
+            [scored for _, _, scored in entries],
+        )
         self.passes += 1
         V = self.vocab_size
         result = []
@@ -247,12 +246,4 @@ class LlamaCppBatchedRunner:
         return result
 
     def __del__(self) -> None:
-        lib = getattr(self, "_lib", None)
-        if lib is None:
-            return
-        try:
-            lib.llama_batch_free(self._batch)
-            lib.llama_free(self._ctx)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-        self._lib = None
+        free_context(self)
