@@ -161,3 +161,20 @@ def test_no_import_circle_between_subpackages() -> None:
     units = unit_graph(import_graph())
     assert COMMANDS in units and not any(COMMANDS in targets for targets in units.values())
     assert [describe(units, c) for c in cycles(units)] == []
+
+
+def test_importing_the_package_loads_neither_torch_nor_the_engine() -> None:
+    """``import specdecode`` (and a light submodule) must not pay for torch: the top-level names
+    load on first use; every exported name then resolves to the class it names."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specdecode, specdecode.text\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'specdecode.engine') if m in sys.modules))\n"
+        "names = [getattr(specdecode, n).__name__ for n in specdecode.__all__]\n"
+        "print(names == specdecode.__all__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]", f"imported eagerly: {out[0]}"
+    assert out[1] == "True", "an exported name does not resolve to the class of that name"
