@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specdecode.logprobs import TokenLogprob, check_num_logprobs, token_logprobs
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
@@ -49,6 +50,9 @@ class DecodeState:
             text, and no stop strings.
         stats: the :class:`~specdecode.stats.SpecStats` this state fills (a fresh one if None).
         ignore_eos: do not stop at ``eos_token_ids`` (fixed-length benchmark outputs).
+        num_logprobs: report each emitted token's log-probability and this many alternatives
+            (:mod:`specdecode.logprobs`, 0 .. 20; the target's raw distribution); None (default): off,
+            and :meth:`append` needs no logits.
 
     Attributes:
         context: int64 ``[P + limit + max_k + 1]``; ``context[:T]`` is known.
@@ -57,9 +61,11 @@ class DecodeState:
         generated: the emitted token ids (an EOS that ended the sequence included).
         text: the :class:`~specdecode.text.StopStringStream`, or None without a tokenizer.
         finish_reason: None while running, then ``"stop"`` (EOS or stop string) or ``"length"``.
+        logprobs: with ``num_logprobs``, one :class:`~specdecode.logprobs.TokenLogprob` per token
+            of :attr:`generated`; else None.
 
     Raises:
-        ValueError: an empty prompt, or stop strings without a tokenizer.
+        ValueError: an empty prompt, stop strings without a tokenizer, or a bad ``num_logprobs``.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class DecodeState:
         tokenizer: Any = None,
         stats: SpecStats | None = None,
         ignore_eos: bool = False,
+        num_logprobs: int | None = None,
     ) -> None:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)
         P = int(prompt.shape[0])
@@ -95,6 +102,8 @@ class DecodeState:
         self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
         self.generated: list[int] = []
         self.finish_reason: str | None = None
+        self.num_logprobs = check_num_logprobs(num_logprobs, "num_logprobs")
+        self.logprobs: list[TokenLogprob] | None = [] if num_logprobs is not None else None
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -142,11 +151,16 @@ class DecodeState:
             self.proposer.observe(result)
         self.stats.observe(num_drafted, result.num_accepted, depth=depth)
 
-    def append(self, tokens: torch.Tensor | list[int]) -> tuple[list[int], str]:
+    def append(self, tokens: torch.Tensor | list[int], logits: torch.Tensor | None = None) -> tuple[list[int], str]:
         """Emit the tokens of one pass, cut at the first stop.
 
         Stops at an EOS token (kept in :attr:`generated`), at a stop string (the text ends before
         it) or at :attr:`limit` tokens; :attr:`finish_reason` then says which.
+
+        ``logits``: with ``num_logprobs``, the target's raw rows of the pass that scored ``tokens``,
+        float ``[>= len(tokens), V]`` (row i for ``tokens[i]``: a chain's rows ``0 .. n``, a tree's
+        root and kept path, the prefill's last row); the emitted tokens' log-probabilities go to
+        :attr:`logprobs`. Unused (may be None) without ``num_logprobs``.
 
         Returns:
             ``(new token ids, new text safe to show)``; the ids after a stop are dropped.
@@ -172,4 +186,8 @@ class DecodeState:
                 break
         self.generated.extend(new_ids)
         self.stats.new_tokens = len(self.generated)
+        if self.logprobs is not None:
+            if logits is None:
+                raise ValueError("append: logits are needed when num_logprobs is set")
+            self.logprobs.extend(token_logprobs(logits, new_ids, self.num_logprobs))  # type: ignore[arg-type]
         return new_ids, new_text

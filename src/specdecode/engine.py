@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.decode_state import DecodeState
+from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
 from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -62,20 +63,27 @@ class GenerationResult:
         finish_reason: ``"stop"`` (EOS or stop string) or ``"length"`` (max_new_tokens or the
             model's context length).
         stats: decoding statistics.
+        logprobs: with ``logprobs=N``, one :class:`~specdecode.logprobs.TokenLogprob` per token of
+            ``token_ids`` (the target's raw distribution, :mod:`specdecode.logprobs`); else None.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, tokenizer: Any = None) -> dict[str, Any]:
+        """A JSON-ready dict; ``logprobs`` (with each token's text given a ``tokenizer``) only when reported."""
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             **self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [entry.to_dict(tokenizer) for entry in self.logprobs]
+        return out
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -324,13 +332,13 @@ class SpeculativeGenerator:
         stats.prefill_time_s += time.perf_counter() - tic
         state.after_prefill(hidden)  # (T, H): every prompt position
         result = verify(DraftTokens.empty().ids, None, logits, sampling, state.generator)
-        yield state.append(result.tokens)
+        yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked
         while state.finish_reason is None:
             # context[:T] is known; the target has cached context[:T - 1].
             room = state.room()
             if tree is not None and proposer is not None and room > 0:
-                result = self._tree_step(state, tree, room)  # 1.-5.
-                yield state.append(result.tokens)
+                result, kept_logits = self._tree_step(state, tree, room)  # 1.-5.
+                yield state.append(result.tokens, kept_logits)
                 continue
             k_step = min(schedule.next_k(), room) if proposer is not None else 0
             tic = time.perf_counter()
@@ -350,7 +358,7 @@ class SpeculativeGenerator:
             if proposer is not None:
                 schedule.update(len(draft), n, time.perf_counter() - tic, draft_time_s=toc - tic)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
-            yield state.append(result.tokens)  # 5.
+            yield state.append(result.tokens, logits)  # 5. (rows 0 .. n score the n + 1 tokens)
 
     @staticmethod
     def _check_tree(tree: str | TreeSpec, proposer: Proposer, plan: SpeculationSchedule) -> TreeSpec:
@@ -361,8 +369,10 @@ class SpeculativeGenerator:
             raise ValueError(f"tree: token trees use a fixed shape; schedule must be 'constant', got {plan.kind!r}")
         return spec
 
-    def _tree_step(self, state: DecodeState, tree: TreeSpec, room: int) -> VerifyResult:
-        """Steps 1-4 of the loop with a token tree (:mod:`specdecode.tree`), at most ``room`` deep."""
+    def _tree_step(self, state: DecodeState, tree: TreeSpec, room: int) -> tuple[VerifyResult, torch.Tensor | None]:
+        """Steps 1-4 of the loop with a token tree (:mod:`specdecode.tree`), at most ``room`` deep.
+        Returns the result and, when the state reports log-probabilities, the logits rows of the
+        root and the kept path ``[n + 1, V]`` (else None)."""
         target, proposer, stats = self.target, state.proposer, state.stats
         assert proposer is not None
         tic = time.perf_counter()
@@ -384,7 +394,7 @@ class SpeculativeGenerator:
         target.compact(cached + kept)  # 4.
         kept_features = hidden[kept.to(hidden.device)] if hidden is not None else None  # (n + 1, H)
         state.after_verify(len(draft), result, kept_features, depth=int(depths.max()))
-        return result
+        return result, logits[kept.to(logits.device)] if state.logprobs is not None else None
 
     def stream_tokens(
         self,
@@ -395,11 +405,15 @@ class SpeculativeGenerator:
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[tuple[list[int], str, GenerationResult]]:
         """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
 
-        The last item's result is final (its ``finish_reason`` is set). Arguments as in :meth:`generate`.
+        The last item's result is final (its ``finish_reason`` is set); with ``logprobs``, the
+        new tokens' log-probabilities are the last ``len(new token ids)`` of its ``logprobs``.
+        Arguments as in :meth:`generate`.
         """
+        check_num_logprobs(logprobs)
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
         proposer = self.proposer if speculative else None
@@ -427,8 +441,9 @@ class SpeculativeGenerator:
             eos_token_ids=self.eos_token_ids,
             tokenizer=self.tokenizer,
             stats=stats,
+            num_logprobs=logprobs,
         )
-        result = GenerationResult("", [], "length", stats)
+        result = GenerationResult("", [], "length", stats, state.logprobs)
         steps = self._decode(state, plan, spec_tree)
         try:
             for new_ids, new_text in steps:
@@ -451,6 +466,7 @@ class SpeculativeGenerator:
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -472,6 +488,11 @@ class SpeculativeGenerator:
                 (EAGLE-2 style, N nodes), or a compiled tree. Needs a proposer with
                 ``propose_tree`` and the ``constant`` schedule; ``num_speculative_tokens`` is
                 then unused (the tree's depth plays its part).
+            logprobs: N in [0, 20]: report every emitted token's log-probability and the N most
+                likely alternatives at its position (``GenerationResult.logprobs``), taken from the
+                target's raw distribution (log_softmax of its float32 logits, before temperature,
+                top-k and top-p; :mod:`specdecode.logprobs`), the same with speculation on or off,
+                chains or trees; None (default): off, at no cost.
 
         Returns:
             :class:`GenerationResult`. Two calls with the same seed return the same result.
@@ -481,7 +502,7 @@ class SpeculativeGenerator:
         """
         result = GenerationResult("", [], "length")
         for _, _, result in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs
         ):
             pass
         return result
@@ -495,10 +516,11 @@ class SpeculativeGenerator:
         speculative: bool = True,
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[str]:
         """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
         for _, piece, _ in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs
         ):
             if piece:
                 yield piece
