@@ -154,3 +154,39 @@ def test_bad_logprobs_are_refused_naming_the_parameter(tiny_pair, bad) -> None:
     with pytest.raises(ValueError, match="logprobs"):
         SpeculativeGenerator(tiny_pair["target"]).generate(PROMPT, GREEDY, logprobs=bad)
     assert check_num_logprobs(0) == 0 and check_num_logprobs(None) is None
+
+
+# ------------------------------------------------------------------ the command line
+@pytest.mark.parametrize("speculation", [[], ["--no-speculation"]], ids=["speculative", "target-only"])
+def test_cli_logprobs_in_json_equal_rescoring(model_dirs, capsys, speculation) -> None:
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdecode.commands.main import main
+
+    target_dir, draft_dir = model_dirs
+    prompt = "def add(a, b):"
+    argv = ["generate", prompt, "--raw", "--target", str(target_dir), "--draft", str(draft_dir), "--json"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "12", "-k", "3", "--logprobs", "3", *speculation]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    entries = out["logprobs"]
+    assert [e["token_id"] for e in entries] == out["token_ids"]
+    assert all(e["token"] == tokenizer.decode([e["token_id"]]) and len(e["top_logprobs"]) == 3 for e in entries)
+    as_records = [
+        TokenLogprob(e["token_id"], e["logprob"], tuple((t["token_id"], t["logprob"]) for t in e["top_logprobs"]))
+        for e in entries
+    ]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)  # --raw: as the engine encodes it
+    check_against_rescoring(target, prompt_ids, out["token_ids"], as_records, 3)
+
+
+@pytest.mark.parametrize("flags", [["--logprobs", "21", "--json"], ["--logprobs", "-1", "--json"], ["--logprobs", "2"]])
+def test_cli_bad_logprobs_fail_before_loading_naming_the_flag(capsys, flags) -> None:
+    from specdecode.commands.main import main
+
+    assert main(["generate", "hi", "--target", "/nonexistent", *flags]) == 2
+    assert "--logprobs" in capsys.readouterr().err

@@ -36,6 +36,14 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-speculation", action="store_true", help="decode with the target alone (same loop)")
     g.add_argument("--compare", action="store_true", help="also run the target alone; report speedup and identity")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability and the N (0-20) likeliest alternatives, from the "
+        "target's raw distribution (before temperature, top-k, top-p)",
+    )
     g.set_defaults(func=cmd_generate)
     return g
 
@@ -131,6 +139,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         parse_tree(args.tree)
     if not args.prompt:
         raise ValueError("prompt must not be empty")
+    if args.logprobs is not None:
+        from specdecode.logprobs import check_num_logprobs
+
+        check_num_logprobs(args.logprobs, "--logprobs")
+        if not args.json:
+            raise ValueError("--logprobs needs --json (the log-probabilities are a field of its output)")
     resolve_auto_proposer(args)
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
@@ -149,12 +163,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     speculative = not args.no_speculation
     if args.json:
-        result = generator.generate(args.prompt, speculative=speculative, **call)
+        result = generator.generate(args.prompt, speculative=speculative, logprobs=args.logprobs, **call)
     else:
         for _, piece, result in generator.stream_tokens(args.prompt, speculative=speculative, **call):
             print(piece, end="", flush=True)
         print()
-    out = result.to_dict()
+    out = result.to_dict(generator.tokenizer)  # with --logprobs: "logprobs", each token with its text
     if args.compare:
         baseline = generator.generate(args.prompt, speculative=False, **call)
         out["baseline_tokens_per_second"] = baseline.stats.tokens_per_second
