@@ -386,7 +386,10 @@ class SpeculativeGenerator:
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
         features = needs_features(proposer)
         ids = state.step_input(draft.ids)  # (N + 1,)
-        logits, hidden = _pass(target.forward_masked(ids, cached + depths, attend, return_hidden=features))  # 2.
+        greedy = state.sampling.greedy  # a walking runner (llama.cpp) may decode only what greedy verification reads
+        logits, hidden = _pass(
+            target.forward_masked(ids, cached + depths, attend, return_hidden=features, greedy=greedy)
+        )  # 2.
         stats.draft_time_s += toc - tic
         stats.target_time_s += time.perf_counter() - toc
         result = verify_tree(draft.ids, draft.parents, logits, state.sampling, state.generator)  # 3.

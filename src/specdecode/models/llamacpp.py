@@ -27,10 +27,13 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from specdecode.models.llamacpp_tree import TreeCache
 
 INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
@@ -274,6 +277,8 @@ class LlamaCppRunner:
         self._lib = lib
         self.length = 0
         self.passes = 0  # llama_decode calls made (a split verification pass counts each chunk)
+        self._tree: TreeCache | None = None  # a token tree's nodes after the cached sequence (forward_masked)
+        self._embeddings = False  # a tree pass wants hidden states
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -297,15 +302,20 @@ class LlamaCppRunner:
         """Forget the whole sequence."""
         self._lib.llama_memory_clear(self._memory, True)
         self.length = 0
+        self._tree = None
 
     def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` cached tokens (rollback).
+        """Keep only the first ``length`` cached tokens (rollback). After a tree pass
+        (:meth:`forward_masked`) the first ``length`` entries must be one chain (as :meth:`compact`).
 
         Raises:
             ValueError: ``length`` is negative or longer than the cached sequence.
         """
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length must be in [0, {self.length}], got {length}")
+        if self._tree is not None:
+            self.compact(torch.arange(length)) if length else self.reset()
+            return
         if length < self.length:
             if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):  # pragma: no cover
                 raise RuntimeError(f"llama.cpp could not truncate the cache to {length} tokens")
@@ -343,6 +353,8 @@ class LlamaCppRunner:
             ValueError: ``num_logits`` out of range, or the sequence would not fit in the context.
             RuntimeError: ``llama_decode`` failed.
         """
+        if self._tree is not None:
+            raise RuntimeError("forward after forward_masked: keep a path first (compact or truncate)")
         ids = [int(i) for i in input_ids.reshape(-1).tolist()]
         T = len(ids)
         if not 1 <= num_logits <= T:
@@ -377,15 +389,18 @@ class LlamaCppRunner:
         return (logits, torch.cat(hidden)) if return_hidden else logits
 
     def _decode(
-        self, ids: list[int], scored: list[bool], hidden: list[torch.Tensor] | None = None
+        self, ids: list[int], scored: list[bool], hidden: list[torch.Tensor] | None = None, start: int | None = None
     ) -> torch.Tensor | None:
-        """One ``llama_decode`` of ``ids`` at the next positions; float32 logits ``[sum(scored), V]``
-        of the scored tokens (None if none). With ``hidden`` (embeddings on: llama.cpp outputs every
-        token), the scored rows are picked from all n, and the n hidden states ``[n, H]`` are appended."""
+        """One ``llama_decode`` of ``ids`` at the next positions (at ``start ..`` when given: a tree
+        pass, which keeps :attr:`length` itself); float32 logits ``[sum(scored), V]`` of the scored
+        tokens (None if none). With ``hidden`` (embeddings on: llama.cpp outputs every token), the
+        scored rows are picked from all n, and the n hidden states ``[n, H]`` are appended."""
         lib = self._lib
         n = len(ids)
-        decode_batch(lib, self._ctx, self._batch, ids, list(range(self.length, self.length + n)), [0] * n, scored)
-        self.length += n
+        first = self.length if start is None else start
+        decode_batch(lib, self._ctx, self._batch, ids, list(range(first, first + n)), [0] * n, scored)
+        if start is None:
+            self.length += n
         self.passes += 1
         if hidden is not None:
             H = self.model.hidden_size
@@ -402,17 +417,129 @@ class LlamaCppRunner:
         picked = array[[i for i in range(n) if scored[i]]] if outputs != m else array.copy()
         return torch.from_numpy(picked)  # (m, V) float32: a copy, the next decode overwrites the buffer
 
-    def forward_masked(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Token trees are not served by this backend yet.
+    # ------------------------------------------------------------------ token trees
+    def forward_masked(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attend: torch.Tensor,
+        num_logits: int | None = None,
+        return_hidden: bool = False,
+        greedy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Append a token tree's nodes and score them, as
+        :meth:`specdecode.models.runner.ModelRunner.forward_masked` (the same arguments and
+        results), walked depth-first on the one sequence (:mod:`specdecode.models.llamacpp_tree`):
+        each node's logits are bit-identical to decoding its branch token by token in exact mode.
+
+        Args:
+            input_ids: int64 ``[M]``, M >= 1, nodes in topological order (parents first).
+            position_ids: int64 ``[M]``: the cached length plus the node's depth below it.
+            attend: bool ``[M, length + M]``: node i attends to every cached token, to the tree
+                nodes on its root path and to itself, nothing else (a tree, not an arbitrary mask).
+            num_logits: score the last this many nodes (default all M).
+            return_hidden: also return the final hidden states of the M nodes ``[M, H]``.
+            greedy: a hint of the runner contract for greedy verification (one tree over the
+                cache, its root first): decode only the nodes the greedy walk reaches; the other
+                rows (logits and hidden states) are NaN.
+
+        Returns:
+            float32 ``[num_logits, V]``; with ``return_hidden`` ``(logits, hidden [M, H])``.
 
         Raises:
-            ValueError: always (names the backend and the alternative).
+            ValueError: bad shapes, a mask that is not a tree over the whole cached sequence,
+                positions other than the depths, or a tree that does not fit in the context.
+            RuntimeError: ``llama_decode`` failed.
         """
-        raise ValueError("token trees: the llamacpp backend drafts chains only for now; use --backend torch for --tree")
+        from specdecode.models.llamacpp_tree import TreeCache
+
+        M = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        num_logits = M if num_logits is None else num_logits
+        L = self.length + M
+        if M < 1 or position_ids.shape != (M,) or attend.shape != (M, L) or not 1 <= num_logits <= M:
+            raise ValueError(
+                f"forward_masked: need input_ids [M], position_ids [M], bool attend [M, {self.length} + M] and "
+                f"1 <= num_logits <= M; got {list(input_ids.shape)}, {list(position_ids.shape)}, "
+                f"{list(attend.shape)}, {num_logits}"
+            )
+        if attend.dtype != torch.bool:
+            raise ValueError(f"forward_masked: attend must be bool, got {attend.dtype}")
+        positions = [int(p) for p in position_ids.tolist()]
+        if max(positions) >= self._n_ctx:
+            raise ValueError(f"tree reaches position {max(positions)}; the context holds {self._n_ctx} tokens")
+        options = self.model.options
+        if self._tree is None:
+            chunk = min(options.n_batch, options.invariant_tokens) if options.exact else options.n_batch
+            self._tree = TreeCache(self.length, chunk, self._tree_decode, self._cut)
+        tree = self._tree
+        try:
+            entries = tree.add([int(i) for i in input_ids.tolist()], positions, attend)
+        except ValueError:
+            if tree.length == tree.trunk:
+                self._tree = None  # no tree yet: the runner is as before
+            raise
+        self.length = tree.length
+        tree.hidden = {}
+        self._embeddings = return_hidden
+        if return_hidden:
+            self._lib.llama_set_embeddings(self._ctx, True)
+        try:
+            single_root = all(tree.parent(e) >= entries[0] for e in entries[1:])
+            if greedy and single_root and num_logits == M:
+                rows = tree.score_greedy(entries)
+            else:
+                rows = tree.score_all(entries)
+        finally:
+            if return_hidden:
+                self._lib.llama_set_embeddings(self._ctx, False)
+            self._embeddings = False
+        V, H = self.vocab_size, self.model.hidden_size
+        nan = torch.full((V,), float("nan"))
+        logits = torch.stack([rows.get(e, nan) for e in entries[M - num_logits :]])  # (num_logits, V)
+        if not return_hidden:
+            return logits
+        blank = torch.full((H,), float("nan"))
+        hidden = torch.stack([tree.hidden.get(e, blank) for e in entries])  # (M, H)
+        tree.hidden = {}
+        return logits, hidden
+
+    def _tree_decode(
+        self, ids: list[int], start: int, scored: list[bool]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One pass of a tree walk (:class:`~specdecode.models.llamacpp_tree.TreeCache`): ``ids`` at
+        positions ``start ..``; logits of the scored ones, and all n hidden states ``[n, H]`` while
+        embeddings are on (a pass with ``return_hidden``)."""
+        hidden: list[torch.Tensor] | None = [] if self._embeddings else None
+        out = self._decode(ids, scored, hidden, start=start)
+        return out, (hidden[0] if hidden else None)
+
+    def _cut(self, n: int) -> None:
+        """Drop the cells from position ``n`` on."""
+        if not self._lib.llama_memory_seq_rm(self._memory, 0, n, -1):  # pragma: no cover
+            raise RuntimeError(f"llama.cpp could not truncate the cache to {n} tokens")
 
     def compact(self, keep: torch.Tensor) -> None:
-        """See :meth:`forward_masked`."""
-        raise ValueError("token trees: the llamacpp backend drafts chains only for now; use --backend torch for --tree")
+        """Keep the entries ``keep`` (ascending) and nothing after the first of them, as
+        :meth:`specdecode.models.runner.ModelRunner.compact`: after a tree pass, ``keep`` must be one
+        root path of the tree (the accepted one); the cache then holds it in consecutive cells, as
+        plain decoding would (rolled back to where it leaves the path the walk ended on, the rest
+        decoded again without logits). Without a tree, ``keep`` must be consecutive entries.
+
+        Raises:
+            ValueError: ``keep`` empty, not increasing, out of range, or not one path / run.
+        """
+        keep_list = [int(k) for k in torch.as_tensor(keep, dtype=torch.int64).reshape(-1).tolist()]
+        if self._tree is None:
+            n = len(keep_list)
+            if n == 0 or keep_list[0] < 0 or keep_list[-1] >= self.length or keep_list[-1] - keep_list[0] + 1 != n:
+                raise ValueError(
+                    f"compact on llama.cpp without a tree: keep must be consecutive entries in [0, {self.length}), "
+                    f"got {keep_list}"
+                )
+            self.truncate(keep_list[-1] + 1)
+            return
+        self.length = self._tree.settle(keep_list)
+        self._tree = None
 
     def __del__(self) -> None:
         free_context(self)

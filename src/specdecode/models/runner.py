@@ -242,6 +242,7 @@ class ModelRunner:
         attend: torch.Tensor,
         num_logits: int | None = None,
         return_hidden: bool = False,
+        greedy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``input_ids`` with explicit positions and attention (token trees).
 
@@ -257,6 +258,10 @@ class ModelRunner:
                 must see itself.
             num_logits: score the last this many tokens (default all M).
             return_hidden: also return the features of all M tokens (see :meth:`forward`).
+            greedy: the runner contract's hint for greedy tree verification: a runner that walks the
+                tree may decode only the nodes the greedy walk reaches and leave the other rows NaN
+                (:meth:`specdecode.models.llamacpp.LlamaCppRunner.forward_masked`). Unused here:
+                one pass scores every node.
 
         Returns:
             float32 ``[num_logits, V]`` (``[num_logits, N]`` with :attr:`head_ids`); with

@@ -1,0 +1,169 @@
+"""Token trees on the llamacpp backend (issue 31), on the real default GGUF pair.
+
+A tree pass walks the tree depth-first on one sequence (:mod:`specdecode.models.llamacpp_tree`), so
+in exact mode every node's logits and hidden state are bit-identical to decoding its branch token by
+token; ``compact`` leaves the cache as plain decoding of the kept path would; greedy tree
+speculation (static and dynamic trees, prompt lookup and the draft model) equals plain decoding.
+
+Skipped, with the reason, when llama-cpp-python or the model packages are not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import SpeculativeGenerator
+from specdecode.errors import ModelNotFoundError
+from specdecode.proposers import DraftModelProposer, PromptLookupConfig, PromptLookupProposer
+from specdecode.sampling import SamplingParams
+from specdecode.tree import tree_attention
+from specdecode.verify import greedy_verify_tree
+
+pytestmark = pytest.mark.slow
+
+IDS = torch.tensor([(37 * i + 11) % 20000 + 100 for i in range(64)])
+# root 0; 1, 2 children of 0; 3, 4 of 1; 5 of 3; 6 of 2 (three branches, depth 3)
+PARENTS = torch.tensor([0, 0, 1, 1, 3, 2])
+NODES = torch.tensor([500, 600, 700, 800, 900, 1000, 1100])
+
+
+def _load(role: str, **options):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    from specdecode.models.backends import load_llamacpp
+    from specdecode.models.llamacpp import LlamaCppOptions
+
+    try:
+        return load_llamacpp(None, role, LlamaCppOptions(**options))
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _load("target")
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return _load("draft")
+
+
+def _tree_inputs(cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+    depths, mask = tree_attention(PARENTS)
+    attend = torch.cat([torch.ones(len(NODES), cached, dtype=torch.bool), mask], dim=1)  # (7, cached + 7)
+    return cached + depths, attend
+
+
+def _root_path(node: int) -> list[int]:
+    parents = [-1, *PARENTS.tolist()]
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_pass_equals_each_branch_decoded_token_by_token(target) -> None:
+    runner, plain = target.make_runner(n_ctx=256), target.make_runner(n_ctx=256)
+    runner.forward(IDS[:20])
+    positions, attend = _tree_inputs(20)
+    logits, hidden = runner.forward_masked(NODES, positions, attend, return_hidden=True)
+    assert logits.shape == (7, target.vocab_size) and hidden.shape == (7, target.hidden_size)
+    for node in range(7):
+        plain.reset()
+        plain.forward(IDS[:20])
+        for step in _root_path(node):  # the branch one token per pass, as plain decoding runs it
+            row, feature = plain.forward(NODES[step : step + 1], return_hidden=True)
+        assert torch.equal(logits[node], row[0]), node  # bit for bit
+        assert torch.equal(hidden[node], feature[0]), node
+
+
+def test_compact_then_decode_equals_plain_decoding_of_the_kept_path(target) -> None:
+    runner, plain = target.make_runner(n_ctx=256), target.make_runner(n_ctx=256)
+    runner.forward(IDS[:20])
+    positions, attend = _tree_inputs(20)
+    runner.forward_masked(NODES, positions, attend)
+    runner.compact(torch.tensor([20, 22, 26]))  # root, node 2, node 6: not the branch the walk ended on
+    assert runner.length == 23
+    after = runner.forward(IDS[40:43], num_logits=3)
+    plain.forward(IDS[:20])
+    plain.forward(NODES[[0, 2, 6]], num_logits=3)  # the kept path as a verification pass
+    assert torch.equal(after, plain.forward(IDS[40:43], num_logits=3))
+    with pytest.raises(ValueError, match="root path"):  # nodes 1 and 2 are siblings
+        runner.forward_masked(NODES, *_tree_inputs(26))
+        runner.compact(torch.tensor([26, 27, 28]))
+
+
+def test_greedy_walk_decodes_what_greedy_verification_reads(target) -> None:
+    plain, full, walk = (target.make_runner(n_ctx=256) for _ in range(3))
+    nodes = NODES.clone()  # node 1 and its first child node 3: the target's own greedy tokens
+    nodes[1] = int(plain.forward(torch.cat([IDS[:20], nodes[:1]]))[0].argmax())
+    nodes[3] = int(plain.forward(nodes[1:2])[0].argmax())
+    positions, attend = _tree_inputs(20)
+    full.forward(IDS[:20])
+    reference = full.forward_masked(nodes, positions, attend)
+    walk.forward(IDS[:20])
+    walked = walk.forward_masked(nodes, positions, attend, greedy=True)
+    expected = greedy_verify_tree(nodes[1:], PARENTS, reference)
+    assert expected.num_accepted >= 2
+    assert torch.equal(greedy_verify_tree(nodes[1:], PARENTS, walked).tokens, expected.tokens)
+    reached = [0, *expected.path.tolist()]
+    assert all(torch.equal(walked[node], reference[node]) for node in reached)
+    assert torch.isnan(walked[2]).all() and torch.isnan(walked[6]).all()  # the other branch: never decoded
+    walk.compact(20 + torch.tensor(reached))
+    assert walk.length == 20 + len(reached)
+
+
+def test_not_a_tree_over_the_cache_is_refused(target) -> None:
+    runner = target.make_runner(n_ctx=256)
+    runner.forward(IDS[:10])
+    positions, attend = _tree_inputs(10)
+    partial = attend.clone()
+    partial[3, 2] = False  # node 3 does not see cached token 2
+    with pytest.raises(ValueError, match="attends to other entries"):
+        runner.forward_masked(NODES, positions, partial)
+    with pytest.raises(ValueError, match="position"):
+        runner.forward_masked(NODES, positions + 1, attend)
+    assert runner.length == 10
+    runner.forward(IDS[10:11])  # nothing was recorded: the runner goes on as before
+    positions, attend = _tree_inputs(11)
+    runner.forward_masked(NODES, positions, attend)
+    with pytest.raises(RuntimeError, match="compact"):
+        runner.forward(IDS[:1])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    from specdecode.models.backends import load_llamacpp_tokenizer
+
+    return load_llamacpp_tokenizer(target)
+
+
+PROMPT = (
+    "Complete the following Python function:\n```python\ndef running_sum(xs: list[int]) -> list[int]:\n"
+    '    """Return the running sums of xs: running_sum([1, 2, 3]) == [1, 3, 6]."""\n```'
+)
+
+
+@pytest.mark.parametrize(
+    "proposer, tree",
+    [
+        ("prompt_lookup", "tree8"),
+        ("prompt_lookup", "dynamic:8"),
+        ("draft_model", "tree8"),
+        ("draft_model", "dynamic:6"),
+    ],
+)
+def test_greedy_tree_speculation_equals_plain_decoding(target, draft, tokenizer, proposer, tree) -> None:
+    made = (
+        PromptLookupProposer(PromptLookupConfig(min_ngram=2))
+        if proposer == "prompt_lookup"
+        else DraftModelProposer(draft)
+    )
+    generator = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=made)
+    sampling = SamplingParams(max_new_tokens=40)
+    plain = generator.generate(PROMPT, sampling, speculative=False)
+    speculative = generator.generate(PROMPT, sampling, tree=tree)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.tree != "none" and speculative.stats.accepted_tokens > 0
