@@ -466,3 +466,19 @@ def test_prefill_groups_similar_lengths_and_avoids_padding(models, tiny_tokenize
     run(scheduler)
     for c in clients:
         assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, 5)
+
+
+def test_in_own_thread_returns_raises_and_leaves_no_thread_behind() -> None:
+    """Calibration passes run in a thread that ends (libgomp keeps a worker pool per live thread
+    that ran a pass: see ``in_own_thread``); the result and errors reach the caller."""
+    import threading
+
+    from specdecode.serve.cost import in_own_thread
+
+    before = threading.active_count()
+    seen: list[threading.Thread] = []
+    assert in_own_thread(lambda: seen.append(threading.current_thread()) or 7) == 7
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ZeroDivisionError):
+        in_own_thread(lambda: 1 / 0)
+    assert threading.active_count() == before

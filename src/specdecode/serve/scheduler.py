@@ -55,6 +55,7 @@ from specdecode.serve.cost import (
     INITIAL_ACCEPTANCE,
     CostModel,
     default_batch_grid,
+    in_own_thread,
     measure_draft_cost,
     measure_target_costs,
     plan_speculation,
@@ -301,7 +302,7 @@ class Scheduler:
                 the loop with :meth:`run_once` (tests, debugging).
         """
         if self.cost is None and self.settings.speculation == "adaptive":
-            self.cost = self.calibrate()
+            self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
         with self._cond:
             self._running = True
         if thread:
