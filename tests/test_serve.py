@@ -295,7 +295,7 @@ BAD = [
     ({"model": "tiny", "prompt": "hi", "proposer": "nope"}, "proposer"),
     ({"model": "tiny", "prompt": "hi", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, "stop"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),  # 0 .. 20 (test_serve_logprobs.py)
     ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
     ({"model": "tiny"}, "prompt"),
     ({"model": "tiny", "prompt": ""}, "prompt"),

@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
+from specdecode.serve.logprobs import LogprobsFormat
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest, _Common
@@ -286,7 +287,9 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             },
             audit_prompt=prompt,
             ignore_eos=bool(body.ignore_eos),
+            logprobs=body.num_logprobs(),  # type: ignore[attr-defined]
         )
+        req.audit_settings["logprobs"] = req.logprobs
         req.audit_settings["speculation_mode"] = scheduler.mode(req)  # the mode it decodes with
         return req
 
@@ -341,6 +344,8 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             raise APIError(503, str(error), "server_error") from None
         created = int(req.created)
         fmt = _ChatFormat(req, settings.model_name, created) if chat else _TextFormat(req, settings.model_name, created)
+        if req.logprobs is not None:
+            fmt.logprobs = LogprobsFormat(tokenizer, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -360,9 +365,10 @@ class _TextFormat:
 
     def __init__(self, req: ServeRequest, model: str, created: int) -> None:
         self.req, self.model, self.created = req, model, created
+        self.logprobs: LogprobsFormat | None = None  # set for a request with logprobs
 
-    def choice(self, text: str, finish_reason: str | None, final: bool) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, text: str, finish_reason: str | None, final: bool, logprobs: Any = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         return {
@@ -382,14 +388,14 @@ class _ChatFormat(_TextFormat):
 
     object = "chat.completion"
 
-    def choice(self, text: str, finish_reason: str | None, final: bool) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str | None, final: bool, logprobs: Any = None) -> dict[str, Any]:
         if final:
             message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {
             "index": 0,
             "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
@@ -428,6 +434,7 @@ async def _collect(
     watcher = asyncio.ensure_future(disconnected())
     ids: list[int] = []
     text: list[str] = []
+    logprobs: list[Any] = []
     try:
         while True:
             getter = asyncio.ensure_future(queue.get())
@@ -439,6 +446,7 @@ async def _collect(
             event = getter.result()
             ids += event.token_ids
             text.append(event.text)
+            logprobs += event.logprobs or []
             if event.finish_reason is not None:
                 break
     except asyncio.CancelledError:  # a server that cancels the handler when the client leaves (Ray Serve)
@@ -449,7 +457,8 @@ async def _collect(
     if event.finish_reason in _FAILURES:
         status, kind = _FAILURES[event.finish_reason]
         return APIError(status, event.error or event.finish_reason, kind).response()
-    choice = fmt.choice("".join(text), event.finish_reason, final=True)
+    formatted = fmt.logprobs.format(logprobs) if fmt.logprobs is not None else None
+    choice = fmt.choice("".join(text), event.finish_reason, final=True, logprobs=formatted)
     if token_ids:
         choice["prompt_token_ids"], choice["token_ids"] = req.prompt_ids, ids
     out = fmt.envelope([choice], chunk=False)
@@ -485,7 +494,8 @@ async def _stream(
                 yield _sse(error_body(event.error or event.finish_reason, kind, code=str(status)))
                 break
             if event.text or event.token_ids or event.finish_reason:
-                choice = fmt.choice(event.text, event.finish_reason, final=False)
+                formatted = fmt.logprobs.format(event.logprobs or []) if fmt.logprobs is not None else None
+                choice = fmt.choice(event.text, event.finish_reason, final=False, logprobs=formatted)
                 if token_ids:
                     choice["token_ids"] = event.token_ids
                 chunk = fmt.envelope([choice], chunk=True)

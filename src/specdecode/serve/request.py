@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdecode.logprobs import TokenLogprob
 from specdecode.sampling import SamplingParams
 
 
@@ -35,6 +36,8 @@ class Event:
             gone), ``"timeout"`` or ``"error"``.
         summary: on the last event: ``usage``, ``speculative`` and ``timings`` dicts.
         error: on an ``"error"`` / ``"timeout"`` event, the message.
+        logprobs: for a request with ``logprobs``, one record per token of ``token_ids``
+            (:mod:`specdecode.logprobs`); else None.
     """
 
     token_ids: list[int]
@@ -42,6 +45,7 @@ class Event:
     finish_reason: str | None = None
     summary: dict[str, Any] | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -64,6 +68,8 @@ class ServeRequest:
         created: arrival time (Unix seconds).
         deadline: ``time.monotonic()`` after which the request times out.
         ignore_eos: do not stop at end-of-sequence tokens (benchmarks: fixed-length outputs).
+        logprobs: report each token's log-probability and this many alternatives (0 .. 20, the
+            target's raw distribution, :mod:`specdecode.logprobs`); None: off.
     """
 
     request_id: str
@@ -80,6 +86,7 @@ class ServeRequest:
     deadline: float = math.inf
     ignore_eos: bool = False
     speculation: str | None = None
+    logprobs: int | None = None
 
     @property
     def max_k(self) -> int:

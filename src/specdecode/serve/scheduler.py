@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.errors import IncompatibleModelsError
+from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
 from specdecode.proposers import get_spec, make_proposer
 from specdecode.proposers.base import DraftTokens
@@ -442,7 +443,7 @@ class Scheduler:
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
             s.after_prefill(row_hidden)  # (T, H): every prompt position
             result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.sampling, s.generator)
-            self._emit(s, result.tokens)
+            self._emit(s, result.tokens, row_logits)  # the logits: rows of log-probabilities, if asked
 
     def _plan(self) -> list[int]:
         """k per running sequence for this step (``--speculation`` and the cost model)."""
@@ -506,7 +507,7 @@ class Scheduler:
                 self._prior[name] = min(1.0, max(0.0, prior + PRIOR_RATE * (n - trials * prior)))
                 self.metrics.speculating_rows.inc()
                 self.metrics.observe_verification(len(draft), n)
-            self._emit(s, result.tokens)  # 5. emit, stop
+            self._emit(s, result.tokens, row_logits)  # 5. emit, stop (rows 0 .. n: log-probabilities, if asked)
         self._leave_finished()
         toc = time.perf_counter()
         phase.labels(phase="verify").observe(toc - tic - seconds)
@@ -555,18 +556,21 @@ class Scheduler:
                 self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
 
-    def _emit(self, s: RunningSequence, tokens: torch.Tensor) -> None:
-        """Append ``tokens`` to the sequence (cut at a stop) and send the client its event."""
-        new_ids, new_text = s.append(tokens)
+    def _emit(self, s: RunningSequence, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        """Append ``tokens`` to the sequence (cut at a stop) and send the client its event; ``logits``:
+        the pass's rows for ``tokens`` (``[>= len(tokens), V]``), for a request with ``logprobs``."""
+        before = len(s.generated)
+        new_ids, new_text = s.append(tokens, logits)
+        logprobs = s.logprobs[before:] if s.logprobs is not None else None
         if s.first_token is None:
             s.first_token = time.time()
             s.stats.time_to_first_token_s = s.first_token - s.req.created
             self.metrics.ttft.observe(s.stats.time_to_first_token_s)
         self.metrics.generation_tokens.inc(len(new_ids))
         if s.finish_reason is None:
-            self._send(s.req, Event(new_ids, new_text))
+            self._send(s.req, Event(new_ids, new_text, logprobs=logprobs))
         else:
-            self._finish(s, s.finish_reason, new_ids, new_text)
+            self._finish(s, s.finish_reason, new_ids, new_text, logprobs)
 
     def _leave_finished(self) -> None:
         for s in [s for s in self.active if s.finish_reason is not None]:
@@ -585,7 +589,14 @@ class Scheduler:
         self.metrics.running.set(len(self.active))
         self.metrics.kv_reserved.set(self.reserved)
 
-    def _finish(self, s: RunningSequence, reason: str, new_ids: list[int] | None = None, new_text: str = "") -> None:
+    def _finish(
+        self,
+        s: RunningSequence,
+        reason: str,
+        new_ids: list[int] | None = None,
+        new_text: str = "",
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
         s.finish_reason = reason
         info = s.summary(self.mode(s.req))
         timings = info["timings"]
@@ -594,7 +605,7 @@ class Scheduler:
         if s.first_token is not None and len(s.generated) > 1:
             self.metrics.tpot.observe((timings["finished"] - s.first_token) / (len(s.generated) - 1))
         self._audit(s.req, reason, info, s.error)
-        self._send(s.req, Event(new_ids or [], new_text, reason, info, s.error))
+        self._send(s.req, Event(new_ids or [], new_text, reason, info, s.error, logprobs))
         if reason not in ("stop", "length"):  # aborted / timed out / failed mid-step: leave now
             self._free(s)
 

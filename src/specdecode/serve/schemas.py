@@ -15,8 +15,11 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
 - ``return_token_ids`` (bool): add the prompt's and the completion's token ids to the choice;
 - ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
 
-Standard fields that would change what is decoded but are not implemented (``logprobs``,
-``echo``, ``best_of`` > 1, ``n`` > 1, penalties, ``logit_bias``, ``suffix``, tools, response
+Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0 .. 20), completions
+``logprobs`` (0 .. 20), from the target's raw distribution (:mod:`specdecode.serve.logprobs`).
+
+Standard fields that would change what is decoded but are not implemented (``echo``,
+``best_of`` > 1, ``n`` > 1, penalties, ``logit_bias``, ``suffix``, tools, response
 formats) are refused with a message naming them, never silently ignored. Unknown fields are
 ignored, as OpenAI-compatible servers do.
 """
@@ -26,6 +29,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specdecode.serve.logprobs import chat_num_logprobs, completion_num_logprobs
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -81,8 +86,6 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Common:
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs is not supported by this server")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ValueError(f"{name} is not supported by this server (it would change the target's distribution)")
@@ -113,7 +116,12 @@ class CompletionRequest(_Common):
             raise ValueError("best_of is not supported by this server (only 1)")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
+        completion_num_logprobs(self.logprobs)  # ValueError naming the field
         return self
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for ``logprobs: N``; None: off."""
+        return completion_num_logprobs(self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -150,9 +158,16 @@ class ChatCompletionRequest(_Common):
             raise ValueError("tools are not supported by this server")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format other than text is not supported by this server")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs is not supported by this server")
         return self
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        chat_num_logprobs(self.logprobs, self.top_logprobs)  # ValueError naming the field
+        return self
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for ``logprobs: true`` (``top_logprobs``, default 0); None: off."""
+        return chat_num_logprobs(self.logprobs, self.top_logprobs)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -44,6 +44,7 @@ class RunningSequence(DecodeState):
             tokenizer=tokenizer,
             stats=stats,
             ignore_eos=req.ignore_eos,
+            num_logprobs=req.logprobs,
         )
         self.req = req
         self.row = row
