@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,10 @@ from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
 from specdecode.text import StopStringStream
-from specdecode.verify import VerifyResult
+from specdecode.verify import VerifyResult, verify
+
+if TYPE_CHECKING:
+    from specdecode.constraints.state import ConstraintState
 
 
 class DecodeState:
@@ -53,6 +56,9 @@ class DecodeState:
         num_logprobs: report each emitted token's log-probability and this many alternatives
             (:mod:`specdecode.logprobs`, 0 .. 20; the target's raw distribution); None (default): off,
             and :meth:`append` needs no logits.
+        constraint: the sequence's grammar state (:class:`~specdecode.constraints.state.ConstraintState`,
+            structured output): :meth:`propose` shapes drafts to the grammar, :meth:`verify` masks
+            the target's distribution, :meth:`append` advances the grammar; None: unconstrained.
 
     Attributes:
         context: int64 ``[P + limit + max_k + 1]``; ``context[:T]`` is known.
@@ -80,6 +86,7 @@ class DecodeState:
         stats: SpecStats | None = None,
         ignore_eos: bool = False,
         num_logprobs: int | None = None,
+        constraint: ConstraintState | None = None,
     ) -> None:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)
         P = int(prompt.shape[0])
@@ -102,6 +109,7 @@ class DecodeState:
         self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
         self.generated: list[int] = []
         self.finish_reason: str | None = None
+        self.constraint = constraint
         self.num_logprobs = check_num_logprobs(num_logprobs, "num_logprobs")
         self.logprobs: list[TokenLogprob] | None = [] if num_logprobs is not None else None
 
@@ -120,7 +128,25 @@ class DecodeState:
         there is no proposer). Errors are the proposer's."""
         if k <= 0 or self.proposer is None:
             return DraftTokens.empty()
-        return self.proposer.propose(self.context[: self.T], k, self.sampling, self.generator)
+        draft = self.proposer.propose(self.context[: self.T], k, self.sampling, self.generator)
+        if self.constraint is not None:  # grammar-aware drafting: cut at a forbidden token, forced tokens
+            draft = self.constraint.shape_draft(draft, k)
+        return draft
+
+    def verify(self, draft: DraftTokens, target_logits: torch.Tensor) -> VerifyResult:
+        """Step 3: verify the pass's drafts (those the logits scored: a greedy split pass may stop
+        early) with :func:`~specdecode.verify.verify`, or under the sequence's constraint
+        (:meth:`~specdecode.constraints.state.ConstraintState.verify`: the target's distribution
+        masked to the grammar at every position).
+
+        Args:
+            draft: the draft sent, ids int64 ``[k]``, probs ``[k, V]`` | None.
+            target_logits: float ``[scored + 1, V]``, ``scored <= k``.
+        """
+        if self.constraint is not None:
+            return self.constraint.verify(draft, target_logits, self.sampling, self.generator)
+        scored = target_logits.shape[0] - 1
+        return verify(draft.ids[:scored], draft.probs, target_logits, self.sampling, self.generator)
 
     def step_input(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """The tokens of the next target pass: the last context token and the draft, int64 ``[k + 1]``."""
@@ -150,6 +176,13 @@ class DecodeState:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]
             self.proposer.observe(result)
         self.stats.observe(num_drafted, result.num_accepted, depth=depth)
+        if self.constraint is not None:  # grammar-aware drafting's counters
+            c = self.constraint
+            self.stats.forced_draft_tokens, self.stats.forced_accepted_tokens = (
+                c.forced_draft_tokens,
+                c.forced_accepted_tokens,
+            )
+            self.stats.cut_draft_tokens = c.cut_draft_tokens
 
     def append(self, tokens: torch.Tensor | list[int], logits: torch.Tensor | None = None) -> tuple[list[int], str]:
         """Emit the tokens of one pass, cut at the first stop.
@@ -186,6 +219,8 @@ class DecodeState:
                 break
         self.generated.extend(new_ids)
         self.stats.new_tokens = len(self.generated)
+        if self.constraint is not None:
+            self.constraint.advance(new_ids)
         if self.logprobs is not None:
             if logits is None:
                 raise ValueError("append: logits are needed when num_logprobs is set")

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.constraints.spec import Constraint
+from specdecode.constraints.state import ConstraintState
 from specdecode.decode_state import DecodeState
 from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
@@ -40,7 +42,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.tree import TreeSpec, parse_tree, tree_attention
-from specdecode.verify import VerifyResult, verify, verify_tree
+from specdecode.verify import VerifyResult, verify_tree
 
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -159,6 +161,7 @@ class SpeculativeGenerator:
             check_shared_vocabulary(self.target, proposer)
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids(target, tokenizer)
+        self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
 
     @classmethod
     def from_pretrained(
@@ -331,7 +334,7 @@ class SpeculativeGenerator:
         )  # (1, V): prefill
         stats.prefill_time_s += time.perf_counter() - tic
         state.after_prefill(hidden)  # (T, H): every prompt position
-        result = verify(DraftTokens.empty().ids, None, logits, sampling, state.generator)
+        result = state.verify(DraftTokens.empty(), logits)  # under a constraint: the masked distribution
         yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked
         while state.finish_reason is None:
             # context[:T] is known; the target has cached context[:T - 1].
@@ -344,14 +347,14 @@ class SpeculativeGenerator:
             tic = time.perf_counter()
             draft = state.propose(k_step)  # 1.
             toc = time.perf_counter()
-            hint = draft.ids if sampling.greedy and len(draft) else None  # a split pass may stop at a mismatch
+            # a split pass may stop at a mismatch with the raw argmax (not the constrained one: no hint then)
+            hint = draft.ids if sampling.greedy and len(draft) and state.constraint is None else None
             logits, hidden = _pass(
                 target.forward(state.step_input(draft.ids), len(draft) + 1, return_hidden=features, greedy_draft=hint)
             )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
             stats.draft_time_s += toc - tic
             stats.target_time_s += time.perf_counter() - toc
-            scored = logits.shape[0] - 1  # drafts scored: the rejection is among them (greedy), same result
-            result = verify(draft.ids[:scored], draft.probs, logits, sampling, state.generator)  # 3.
+            result = state.verify(draft, logits)  # 3. over the drafts scored (greedy: the rejection is among them)
             n = result.num_accepted
             target.truncate(state.T + n)  # 4. keep context + accepted drafts
             state.after_verify(len(draft), result, hidden[: n + 1] if hidden is not None else None)  # 4.-5.
@@ -377,6 +380,8 @@ class SpeculativeGenerator:
         assert proposer is not None
         tic = time.perf_counter()
         draft = proposer.propose_tree(state.context[: state.T], tree, state.sampling, state.generator)  # type: ignore[attr-defined]
+        if state.constraint is not None:  # each branch checked against the grammar: forbidden nodes cut
+            draft = state.constraint.shape_tree(draft)
         toc = time.perf_counter()
         depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
         if int(depths.max()) > room:  # near max_new_tokens / the context limit
@@ -386,18 +391,32 @@ class SpeculativeGenerator:
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
         features = needs_features(proposer)
         ids = state.step_input(draft.ids)  # (N + 1,)
-        greedy = state.sampling.greedy  # a walking runner (llama.cpp) may decode only what greedy verification reads
+        # a walking runner (llama.cpp) may decode only the nodes the raw greedy walk reaches (not under a constraint)
+        greedy = state.sampling.greedy and state.constraint is None
         logits, hidden = _pass(
             target.forward_masked(ids, cached + depths, attend, return_hidden=features, greedy=greedy)
         )  # 2.
         stats.draft_time_s += toc - tic
         stats.target_time_s += time.perf_counter() - toc
-        result = verify_tree(draft.ids, draft.parents, logits, state.sampling, state.generator)  # 3.
+        if state.constraint is not None:  # 3. the target's distribution masked per node
+            result = state.constraint.verify_tree(draft, logits, state.sampling, state.generator)
+        else:
+            result = verify_tree(draft.ids, draft.parents, logits, state.sampling, state.generator)  # 3.
         kept = torch.cat([torch.zeros(1, dtype=torch.int64), result.path])  # (n + 1,): root + accepted path
         target.compact(cached + kept)  # 4.
         kept_features = hidden[kept.to(hidden.device)] if hidden is not None else None  # (n + 1, H)
         state.after_verify(len(draft), result, kept_features, depth=int(depths.max()))
         return result, logits[kept.to(logits.device)] if state.logprobs is not None else None
+
+    def _constraint_state(self, constraint: Constraint | None) -> ConstraintState | None:
+        """A fresh grammar state for one generation (None without a constraint)."""
+        if constraint is None:
+            return None
+        from specdecode.constraints.build import make_constraint_state
+
+        return make_constraint_state(
+            constraint, self.tokenizer, self.target.vocab_size, self.eos_token_ids, self.grammar_aware_drafting
+        )
 
     def stream_tokens(
         self,
@@ -409,6 +428,7 @@ class SpeculativeGenerator:
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[tuple[list[int], str, GenerationResult]]:
         """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
 
@@ -445,6 +465,7 @@ class SpeculativeGenerator:
             tokenizer=self.tokenizer,
             stats=stats,
             num_logprobs=logprobs,
+            constraint=self._constraint_state(constraint),
         )
         result = GenerationResult("", [], "length", stats, state.logprobs)
         steps = self._decode(state, plan, spec_tree)
@@ -470,6 +491,7 @@ class SpeculativeGenerator:
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -496,16 +518,25 @@ class SpeculativeGenerator:
                 target's raw distribution (log_softmax of its float32 logits, before temperature,
                 top-k and top-p; :mod:`specdecode.logprobs`), the same with speculation on or off,
                 chains or trees; None (default): off, at no cost.
+            constraint: structured output (:mod:`specdecode.constraints`): a
+                :class:`~specdecode.constraints.JsonSchema`, :class:`~specdecode.constraints.Regex`
+                or :class:`~specdecode.constraints.Grammar`. The output is then distributed exactly
+                as constrained decoding by the target alone (its logits masked to the tokens the
+                grammar allows at every position, before temperature / top-k / top-p; greedy: the
+                masked argmax), with speculation on or off; drafts are cut at a forbidden token and
+                the grammar's forced tokens are drafted for free (:attr:`grammar_aware_drafting`).
+                Needs the target's fast tokenizer. None (default): unconstrained.
 
         Returns:
             :class:`GenerationResult`. Two calls with the same seed return the same result.
 
         Raises:
             ValueError: bad prompt or parameter (the message names it).
+            ConstraintError: a constraint llguidance rejects (a ``ValueError`` naming the parameter).
         """
         result = GenerationResult("", [], "length")
         for _, _, result in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint
         ):
             pass
         return result
@@ -520,10 +551,11 @@ class SpeculativeGenerator:
         schedule: ScheduleConfig | str = "constant",
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[str]:
         """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
         for _, piece, _ in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint
         ):
             if piece:
                 yield piece

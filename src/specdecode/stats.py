@@ -43,6 +43,11 @@ class SpecStats:
         prefill_time_s: seconds in the target's prefill pass.
         draft_time_s: seconds in ``proposer.propose`` (all steps).
         target_time_s: seconds in the target's verification passes (prefill excluded).
+        forced_draft_tokens: under a constraint, tokens the grammar forced that were drafted for
+            free (grammar-aware drafting, :mod:`specdecode.constraints`); counted in ``draft_tokens``.
+        forced_accepted_tokens: of those, the ones the verifier kept.
+        cut_draft_tokens: under a constraint, proposed tokens never sent to the target because the
+            grammar forbids them (the forbidden token and the drafts after it; tree nodes).
     """
 
     num_speculative_tokens: int = 0
@@ -66,6 +71,9 @@ class SpecStats:
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
+    forced_draft_tokens: int = 0
+    forced_accepted_tokens: int = 0
+    cut_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -149,4 +157,7 @@ class SpecStats:
             "tree": self.tree,
             "plain_steps": self.plain_steps,
             "fallbacks": self.fallbacks,
+            "forced_draft_tokens": self.forced_draft_tokens,
+            "forced_accepted_tokens": self.forced_accepted_tokens,
+            "cut_draft_tokens": self.cut_draft_tokens,
         }
