@@ -228,9 +228,7 @@ class SpeculativeGenerator:
         if chosen_backend == "llamacpp":
             auto = backend == "auto"  # auto: what llama.cpp cannot serve runs on torch, as before
             if not (auto and spec is not None and "llamacpp" not in spec.backends):
-                made = cls._from_gguf(target, draft, spec, config, threads, exact, fallback=auto)
-                if made is not None:
-                    return made
+                return cls._from_gguf(target, draft, spec, config, threads, exact, proposer_options)
         target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
         draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
         chosen = draft_proposer(proposer, target_dir, draft_dir, announce="specdecode")
@@ -251,11 +249,11 @@ class SpeculativeGenerator:
         config: Any,
         threads: int | None,
         exact: bool,
-        fallback: bool = False,
-    ) -> SpeculativeGenerator | None:
-        """:meth:`from_pretrained` on the llamacpp backend: GGUF files run as they are. With
-        ``fallback`` (backend ``auto``), None for a draft of another vocabulary (the cross_tokenizer
-        proposer runs on torch).
+        proposer_options: dict[str, Any] | None = None,
+    ) -> SpeculativeGenerator:
+        """:meth:`from_pretrained` on the llamacpp backend: GGUF files run as they are. A
+        ``draft_model`` draft of another vocabulary drafts through ``cross_tokenizer`` (a notice on
+        stderr), built with ``proposer_options``, as on torch.
 
         Raises:
             ValueError: a proposer the backend cannot serve (the message names both).
@@ -263,7 +261,8 @@ class SpeculativeGenerator:
         """
         from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
         from specdecode.models.llamacpp import LlamaCppOptions
-        from specdecode.proposers.vocabulary import shares_vocabulary
+        from specdecode.proposers import PROPOSERS
+        from specdecode.proposers.vocabulary import draft_proposer
 
         if spec is not None and "llamacpp" not in spec.backends:
             raise ValueError(
@@ -275,8 +274,11 @@ class SpeculativeGenerator:
         draft_path = gguf_path(draft, "draft") if spec is not None and spec.needs_draft else None
         target_model = load_llamacpp(target_path, "target", options)
         draft_model = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
-        if draft_model is not None and fallback and not shares_vocabulary(target_model, draft_model):
-            return None  # cross_tokenizer runs on torch only (yet); without fallback the constructor refuses it
+        if spec is not None and draft_model is not None:
+            chosen = draft_proposer(spec.name, target_model, draft_model, announce="specdecode")
+            if chosen != spec.name:  # a draft of another vocabulary: cross_tokenizer, on llama.cpp too
+                spec = PROPOSERS[chosen]
+                config = spec.make_config(**(proposer_options or {}))
         built = spec.build(config, target_model, draft_model) if spec is not None else None
         return cls(target_model, tokenizer=load_llamacpp_tokenizer(target_model), proposer=built)
 

@@ -252,12 +252,38 @@ class Drafter(nn.Module):
         self._target.head_int8 = None
         self._target.head_bias = None if head.bias is None else head.bias.detach()[ids].to(dtype).contiguous()
         self._target.embed = target.get_input_embeddings()
-        self.to(device=head.weight.device, dtype=dtype)
+        return self._place(head.weight.device, dtype)
+
+    def attach_parts(self, head_rows: torch.Tensor, embed: nn.Module, dtype: torch.dtype = torch.float32) -> Drafter:
+        """Attach to a target that is not a ``transformers`` model (a GGUF file on llama.cpp,
+        :mod:`specdecode.models.gguf_parts`): its LM-head rows of :attr:`head_ids` and a module
+        embedding token ids, given by the caller, who has checked they belong to the drafter's target.
+
+        Args:
+            head_rows: ``[N, H]``, row j the head's row of token ``head_ids[j]`` (copied, in ``dtype``).
+            embed: int64 ids ``[...] -> [..., H]``.
+            dtype: the drafter's dtype (float32: llama.cpp's features are float32).
+
+        Raises:
+            ValueError: ``head_rows`` is not ``[N, H]``.
+        """
+        N, H = self.config.draft_vocab_size, self.config.hidden_size
+        if tuple(head_rows.shape) != (N, H):
+            raise ValueError(f"head_rows must be [{N}, {H}], got {list(head_rows.shape)}")
+        self._target.head_weight = head_rows.detach().to(dtype).contiguous()
+        self._target.head_int8 = None
+        self._target.head_bias = None
+        self._target.embed = embed
+        return self._place(head_rows.device, dtype)
+
+    def _place(self, device: torch.device, dtype: torch.dtype) -> Drafter:
+        """Move the drafter to ``device`` and ``dtype``, its token ids int64 and RoPE frequencies float32."""
+        self.to(device=device, dtype=dtype)
         self.head_ids = self.head_ids.to(torch.int64)  # .to(dtype) leaves integer buffers alone; be sure
         for module in self.modules():  # RoPE frequencies stay float32, as in a target loaded in 16 bits
             original = getattr(module, "original_inv_freq", None)
             if isinstance(original, torch.Tensor) and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-                module.inv_freq = original.to(device=head.weight.device, dtype=torch.float32)
+                module.inv_freq = original.to(device=device, dtype=torch.float32)
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -398,7 +398,8 @@ class LlamaCppRunner:
         lib = self._lib
         n = len(ids)
         first = self.length if start is None else start
-        decode_batch(lib, self._ctx, self._batch, ids, list(range(first, first + n)), [0] * n, scored)
+        outputs_asked = [True] * n if hidden is not None else scored  # embeddings on: llama.cpp outputs every token
+        decode_batch(lib, self._ctx, self._batch, ids, list(range(first, first + n)), [0] * n, outputs_asked)
         if start is None:
             self.length += n
         self.passes += 1

@@ -48,6 +48,10 @@ class LlamaCppBatchedRunner:
         ValueError: ``max_rows`` < 1, or llama.cpp cannot create the context.
     """
 
+    returns_hidden = False
+    """No features (``return_hidden``): the server does not offer Medusa / EAGLE on this runner
+    (``specdecode generate`` runs them on llama.cpp, one sequence)."""
+
     def __init__(self, model: LlamaCppModel, max_rows: int, n_ctx: int | None = None) -> None:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")

@@ -42,7 +42,8 @@ class ProposerSpec:
         default_num_speculative_tokens: the k its proposers use when the caller gives none (the
             built proposer's class attribute of the same name; :meth:`default_k` for given options).
         backends: the backends it runs on (:mod:`specdecode.models.backends`); a proposer that reads
-            the torch model's insides (early layers, features, another tokenizer's model) is ``("torch",)``.
+            the torch model's insides (early exit: the target's first layers) is ``("torch",)``.
+            Medusa and EAGLE read the target's final hidden states, which llama.cpp returns too.
     """
 
     name: str
@@ -95,9 +96,24 @@ def _cross_tokenizer(
     config: CrossTokenizerConfig, target: PreTrainedModel | None, draft: PreTrainedModel | None
 ) -> Proposer:
     """Both tokenizers come from the folders the models were loaded from (``name_or_path``); a
-    draft folder without one, with the target's embedding size, is taken to share the target's."""
+    draft folder without one, with the target's embedding size, is taken to share the target's.
+    Two GGUF models on llama.cpp: the tokenizers in their files."""
     if draft is None or target is None:
         raise ValueError("proposer 'cross_tokenizer' needs a draft model (--draft) and the target model")
+    backends = {getattr(m, "backend", "torch") for m in (target, draft)}
+    if backends == {"llamacpp"}:  # GGUF files: the tokenizers their files carry, the weights' bytes
+        from specdecode.models.backends import load_llamacpp_tokenizer
+
+        return CrossTokenizerProposer(
+            draft,
+            load_llamacpp_tokenizer(draft),
+            load_llamacpp_tokenizer(target),
+            config,
+            target_vocab_size=target.vocab_size,
+            cost_ratio=draft.weight_bytes / target.weight_bytes,  # decoding reads every weight once per pass
+        )
+    if len(backends) > 1:
+        raise ValueError(f"proposer 'cross_tokenizer': the target and the draft run on one backend, got {backends}")
 
     def count(model: PreTrainedModel) -> int:
         return sum(p.numel() for p in model.parameters())
@@ -172,7 +188,6 @@ register(
         _cross_tokenizer,
         True,
         "a draft model with another tokenizer",
-        backends=("torch",),
     )
 )
 
@@ -185,7 +200,6 @@ register(
         "trained Medusa heads on the target (--drafter)",
         needs_target_features=True,
         default_num_speculative_tokens=MedusaProposer.default_num_speculative_tokens,
-        backends=("torch",),
     )
 )
 register(
@@ -197,7 +211,6 @@ register(
         "a trained EAGLE head on the target (--drafter)",
         needs_target_features=True,
         default_num_speculative_tokens=EagleProposer.default_num_speculative_tokens,
-        backends=("torch",),
     )
 )
 

@@ -64,7 +64,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.errors import IncompatibleModelsError
-from specdecode.models.runner import ModelRunner
+from specdecode.models.backends import make_runner
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
@@ -269,7 +269,8 @@ class CrossTokenizerProposer(ProposerBase):
     under sampling alike.
 
     Args:
-        draft_model: the draft ``transformers`` causal LM (any vocabulary); it keeps a KV cache.
+        draft_model: the draft (any vocabulary): a ``transformers`` causal LM or a llama.cpp
+            :class:`~specdecode.models.llamacpp.LlamaCppModel`; it keeps a KV cache (its runner).
         draft_tokenizer: the draft's tokenizer (``encode`` / ``decode`` / ``batch_decode`` /
             ``get_vocab``, e.g. a ``PreTrainedTokenizerFast``).
         target_tokenizer: the target's tokenizer.
@@ -300,7 +301,7 @@ class CrossTokenizerProposer(ProposerBase):
     ) -> None:
         check_pairing(draft_tokenizer, target_tokenizer)
         self.config = config or CrossTokenizerConfig()
-        self.runner = ModelRunner(draft_model)
+        self.runner = make_runner(draft_model)  # a torch or llama.cpp draft, with its own cache
         base = int(getattr(draft_tokenizer, "vocab_size", None) or len(draft_tokenizer))  # without added tokens
         if base > self.runner.vocab_size:
             raise IncompatibleModelsError(
@@ -311,7 +312,8 @@ class CrossTokenizerProposer(ProposerBase):
         self.target_tokenizer = target_tokenizer
         self.target_vocab_size = target_vocab_size
         self.cost_ratio = float(cost_ratio)
-        eos = [getattr(draft_tokenizer, "eos_token_id", None)]
+        eos: list[Any] = [getattr(draft_tokenizer, "eos_token_id", None)]
+        eos.append(list(getattr(draft_model, "eos_token_ids", ())))  # a llama.cpp model's EOS and EOT
         eos.append(getattr(getattr(draft_model, "generation_config", None), "eos_token_id", None))
         self.draft_eos = frozenset(i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e))
         # measured over the proposer's life (across requests), for the one warning

@@ -15,7 +15,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel
@@ -42,6 +42,8 @@ def resolve_head_quantization(value: str | None, target: PreTrainedModel) -> str
     """What ``head_quantization`` means for ``target``: ``"int8"`` or ``"none"`` (``"auto"``: int8
     when the target is on the CPU; None: ``"none"``)."""
     if value == "auto":
+        if getattr(target, "backend", "torch") == "llamacpp":  # a GGUF target: the drafter runs on the CPU
+            return "int8"
         return "int8" if target.get_output_embeddings().weight.device.type == "cpu" else "none"
     return value or "none"
 
@@ -136,6 +138,8 @@ def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedM
     """
     if target is None:
         raise ValueError(f"proposer {kind!r} needs the target model (its drafter reads the target's features)")
+    if getattr(target, "backend", "torch") == "llamacpp":
+        return _load_for_gguf(kind, config, target)
     default = config.drafter is None
     path = find_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]
     check_drafter_dir(path, kind, default)
@@ -147,6 +151,94 @@ def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedM
     loaded = _LOADED.setdefault(target, {})
     if key not in loaded or loaded[key][0] != version:
         drafter = load_drafter(path, target, kind)
+        loaded[key] = (version, drafter.quantize_head() if quantization == "int8" else drafter)  # type: ignore[misc]
+    return loaded[key][1]
+
+
+# A GGUF target's embeddings and LM head, read from its file once per loaded model.
+_GGUF_PARTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_DTYPE_SUFFIXES = ("-bf16", "-bfloat16", "-fp16", "-float16", "-fp32", "-float32")
+
+
+def gguf_target_name(model: Any) -> str:
+    """The name a GGUF target goes by for drafters: its file's stem without the quantization
+    (``Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf`` -> ``Qwen2.5-Coder-1.5B-Instruct``)."""
+    stem = Path(model.path).stem
+    head, _, last = stem.rpartition("-")
+    return head if head and last[:1] in "QFBI" and any(c.isdigit() for c in last) else stem
+
+
+def _trained_for(config: Any) -> str:
+    """The target name a drafter's config records, without the folder and a dtype suffix."""
+    name = Path(str(config.target.get("name", "")).rstrip("/\\")).name
+    for suffix in _DTYPE_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _check_gguf_target(config: Any, model: Any, path: Path) -> None:
+    """Raise IncompatibleModelsError unless the drafter's hidden size and vocabulary are the GGUF model's."""
+    from specdecode.errors import IncompatibleModelsError
+
+    for key, mine in (("hidden_size", model.hidden_size), ("vocab_size", model.vocab_size)):
+        theirs = getattr(config, key)
+        if theirs != mine:
+            raise IncompatibleModelsError(
+                f"drafter {path} was trained for a target with {key} {theirs}; the GGUF target {model.path.name} "
+                f"has {mine}. Train one for it: specdecode train-drafter"
+            )
+
+
+def find_gguf_drafter_dir(kind: str, model: Any) -> Path:
+    """The drafter folder ``--proposer KIND`` uses without ``--drafter`` for a GGUF target: the
+    user's drafters (``specdecode train-drafter``, in the cache) first, then the shipped ones, whose
+    ``drafter.json`` records a target of the GGUF's name (:func:`gguf_target_name`; a dtype suffix
+    such as ``-bf16`` ignored), hidden size and vocabulary. A quantized GGUF has no bfloat16
+    weights to compare with the recorded weights hash, so the name stands in for it. None found:
+    the user's default folder (which then holds none: the proposers say how to train one)."""
+    from specdecode.drafters import default_drafter_dir, shipped_drafters_root
+    from specdecode.drafters.heads import read_drafter_config
+    from specdecode.models.default import cache_dir
+
+    name = gguf_target_name(model)
+    folders = sorted((cache_dir() / "drafters").glob(f"{kind}-*")) + sorted(shipped_drafters_root().glob(f"{kind}-*"))
+    for folder in folders:
+        if not ((folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()):
+            continue
+        try:
+            config = read_drafter_config(folder)
+        except ValueError:
+            continue
+        if (
+            _trained_for(config).lower() == name.lower()
+            and config.hidden_size == model.hidden_size
+            and config.vocab_size == model.vocab_size
+        ):
+            return folder
+    return default_drafter_dir(kind, name)
+
+
+def _load_for_gguf(kind: str, config: TrainedDrafterConfig, model: Any) -> MedusaHeads | EagleHead:
+    """:func:`load_for_target` for a GGUF target on llama.cpp: the drafter in float32, attached to
+    the LM-head rows and embeddings dequantized from the GGUF file (:mod:`specdecode.models.gguf_parts`)."""
+    from specdecode.drafters.heads import read_drafter_config
+    from specdecode.models.gguf_parts import GGUFTargetParts
+
+    default = config.drafter is None
+    path = find_gguf_drafter_dir(kind, model) if default else Path(config.drafter)  # type: ignore[arg-type]
+    check_drafter_dir(path, kind, default)
+    _check_gguf_target(read_drafter_config(path), model, path)
+    quantization = resolve_head_quantization(config.head_quantization, model)
+    key = (kind, str(path.resolve()), quantization)
+    version = ((path / WEIGHTS_FILE).stat().st_mtime_ns, (path / CONFIG_FILE).stat().st_mtime_ns)
+    loaded = _LOADED.setdefault(model, {})
+    if key not in loaded or loaded[key][0] != version:
+        parts = _GGUF_PARTS.get(model)
+        if parts is None:
+            parts = _GGUF_PARTS[model] = GGUFTargetParts(model.path)
+        drafter = load_drafter(path, None, kind)
+        drafter.attach_parts(parts.head.take(drafter.head_ids.numpy()), parts.embedding_module())
         loaded[key] = (version, drafter.quantize_head() if quantization == "int8" else drafter)  # type: ignore[misc]
     return loaded[key][1]
 

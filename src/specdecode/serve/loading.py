@@ -111,6 +111,11 @@ def _load_llamacpp(source: ModelSource, proposer: str | None, check: Check | Non
             f"--proposer {proposer}: not available on the llamacpp backend (it runs on "
             f"{', '.join(spec.backends)}); use --backend torch"
         )
+    if spec is not None and spec.needs_target_features:  # LlamaCppBatchedRunner.returns_hidden is False
+        raise ValueError(
+            f"--proposer {proposer}: the llamacpp server's batched runner returns no hidden states, which "
+            f"{proposer} reads (specdecode generate runs it on llama.cpp); use --backend torch to serve it"
+        )
     options = LlamaCppOptions(threads=source.threads, exact=source.exact)
     target_path = gguf_path(source.target, "target")  # every path checked before any weights load
     needs_draft = spec is not None and spec.needs_draft

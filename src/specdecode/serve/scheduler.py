@@ -173,7 +173,10 @@ class Scheduler:
             return False
 
     def _has_drafter(self, name: str) -> bool:
-        """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the rest)."""
+        """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the
+        rest), and the batched runner returns the target's features (llama.cpp's does not)."""
+        if not getattr(self.runner, "returns_hidden", True):
+            return False
         from specdecode.drafters import find_drafter_dir
         from specdecode.proposers.features import check_drafter_dir
 
