@@ -16,6 +16,7 @@ from specdecode.commands.common import (
     proposer_options,
     resolve_auto_proposer,
 )
+from specdecode.commands.constraint_args import add_constraint_args, constraint_from_args
 
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +45,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="with --json: each token's log-probability and the N (0-20) likeliest alternatives, from the "
         "target's raw distribution (before temperature, top-k, top-p)",
     )
+    add_constraint_args(g)
     g.set_defaults(func=cmd_generate)
     return g
 
@@ -145,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_num_logprobs(args.logprobs, "--logprobs")
         if not args.json:
             raise ValueError("--logprobs needs --json (the log-probabilities are a field of its output)")
+    constraint = constraint_from_args(args)  # --json-schema / --regex / --grammar, checked before loading
     resolve_auto_proposer(args)
     generator = SpeculativeGenerator.from_pretrained(
         target=args.target,
@@ -160,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raw=args.raw,
         schedule=args.schedule,
         tree=args.tree,
+        constraint=constraint,
     )
     speculative = not args.no_speculation
     if args.json:

@@ -32,4 +32,4 @@ def make_constraint_state(
     """
     lltok = ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
     grammar = compile_constraint(constraint, lltok)
-    return ConstraintState(grammar, lltok, constraint.param, grammar_aware_drafting)
+    return ConstraintState(grammar, lltok, constraint.param, grammar_aware_drafting, vocab_size)

@@ -37,9 +37,12 @@ class ConstraintState:
             forced tokens as drafts (jump-forward). False sends every draft to the verifier as the
             proposer made it (only the masks apply): the same output, for measuring what the
             drafting saves.
+        vocab_size: V, the width of the target's logits (default: the tokenizer's size); masks
+            are cut to it.
 
     Attributes:
-        vocab_size: V.
+        vocab_size: V, the width of the target's logits (default: the tokenizer's size); masks
+            are cut to it.
         forced_draft_tokens / forced_accepted_tokens: forced tokens proposed / kept by the verifier.
         cut_draft_tokens: draft tokens never sent to the target because the grammar forbids them
             (the forbidden token and those after it).
@@ -48,10 +51,21 @@ class ConstraintState:
         ConstraintError: llguidance cannot build a matcher for the grammar.
     """
 
-    def __init__(self, grammar: str, ll_tokenizer: Any, param: str = "constraint", grammar_aware_drafting: bool = True):
+    def __init__(
+        self,
+        grammar: str,
+        ll_tokenizer: Any,
+        param: str = "constraint",
+        grammar_aware_drafting: bool = True,
+        vocab_size: int | None = None,
+    ):
         ll = _llguidance()
         self.param = param
-        self.vocab_size = int(ll_tokenizer.vocab_size)
+        self.vocab_size = int(vocab_size if vocab_size is not None else ll_tokenizer.vocab_size)
+        if self.vocab_size > ll_tokenizer.vocab_size:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} exceeds the llguidance tokenizer's {ll_tokenizer.vocab_size}"
+            )
         self.grammar_aware_drafting = grammar_aware_drafting
         self.matcher = ll.LLMatcher(ll_tokenizer, grammar, log_level=0)
         self._check("grammar")

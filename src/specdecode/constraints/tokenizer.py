@@ -19,7 +19,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) 
             read from the GGUF file), or an ``llguidance.LLTokenizer`` (returned as it is), or any
             tokenizer with an ``llguidance_tokenizer`` attribute holding one.
         vocab_size: the width V of the target's logits (may exceed the tokenizer's size: the extra
-            ids are never allowed).
+            ids are never allowed; a tokenizer with more ids than V gets masks cut to V).
         eos_token_ids: the ids that end a sequence; the grammar allows them once it is complete.
 
     Raises:
@@ -37,6 +37,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) 
     if key not in per_tokenizer:
         import llguidance.hf
 
-        made = llguidance.hf.from_tokenizer(tokenizer, n_vocab=int(vocab_size), eos_token=list(eos) or None)
+        n_vocab = max(int(vocab_size), len(tokenizer))  # ids past V (added tokens) are never in the logits
+        made = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=list(eos) or None)
         per_tokenizer[key] = made
     return per_tokenizer[key]
