@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import re
@@ -45,6 +46,14 @@ from specdecode.serve.logprobs import LogprobsFormat
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from specdecode.serve.structured import (
+    ToolMode,
+    chat_template_tools,
+    parse_tool_calls,
+    response_format_constraint,
+    tool_call_constraint,
+    tool_mode,
+)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -317,8 +326,10 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        constraint, tools = structured_output(body)
+        extra = {"tools": chat_template_tools(tools)} if tools is not None else {}
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as error:
             raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
         ids = encode(text, add_special_tokens=False)
@@ -327,9 +338,37 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             max_tokens = max(1, min(settings.default_max_tokens, scheduler.max_length - len(ids)))
         prompt = [m.model_dump(exclude_none=True) for m in body.messages]
         req = prepare(body, ids, max_tokens, "/v1/chat/completions", prompt)
-        return await run(req, body, request, chat=True)
+        req.constraint = constraint
+        req.audit_settings["constraint"] = None if constraint is None else constraint.param
+        req.audit_settings["tool_choice"] = None if tools is None else tools.choice
+        return await run(req, body, request, chat=True, tools=tools)
 
-    async def run(req: ServeRequest, body: _Common, request: Request, chat: bool) -> Response:
+    def structured_output(body: ChatCompletionRequest) -> tuple[Any, ToolMode | None]:
+        """The request's constraint (``response_format``, or a required / named tool call) checked by
+        llguidance against the target's tokenizer, and its tools (:mod:`.structured`); 400 naming
+        the field on bad input."""
+        from specdecode.constraints.spec import ConstraintError, compile_constraint
+        from specdecode.constraints.tokenizer import ll_tokenizer
+
+        try:
+            constraint = response_format_constraint(body.response_format)
+            tools = tool_mode(body.tools, body.tool_choice)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
+        if tools is not None and tools.constrained:
+            if constraint is not None:
+                raise bad_request("give response_format or a required tool_choice, not both", "response_format")
+            constraint = tool_call_constraint(tools)
+        if constraint is not None:
+            try:
+                compile_constraint(constraint, ll_tokenizer(tokenizer, scheduler.vocab_size, scheduler.eos))
+            except (ConstraintError, ValueError) as error:
+                raise bad_request(str(error), getattr(error, "param", constraint.param)) from None
+        return constraint, tools
+
+    async def run(
+        req: ServeRequest, body: _Common, request: Request, chat: bool, tools: ToolMode | None = None
+    ) -> Response:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         req.on_event = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -346,6 +385,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         fmt = _ChatFormat(req, settings.model_name, created) if chat else _TextFormat(req, settings.model_name, created)
         if req.logprobs is not None:
             fmt.logprobs = LogprobsFormat(tokenizer, chat)
+        fmt.tools = tools
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
@@ -366,6 +406,7 @@ class _TextFormat:
     def __init__(self, req: ServeRequest, model: str, created: int) -> None:
         self.req, self.model, self.created = req, model, created
         self.logprobs: LogprobsFormat | None = None  # set for a request with logprobs
+        self.tools: ToolMode | None = None  # set for a chat request with tools: the text may hold tool calls
 
     def choice(self, text: str, finish_reason: str | None, final: bool, logprobs: Any = None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -389,6 +430,14 @@ class _ChatFormat(_TextFormat):
     object = "chat.completion"
 
     def choice(self, text: str, finish_reason: str | None, final: bool, logprobs: Any = None) -> dict[str, Any]:
+        calls = parse_tool_calls(text, self.tools) if self.tools is not None and finish_reason else None
+        if calls is not None:  # OpenAI's shape: no content, the calls, finish_reason "tool_calls"
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if final:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if final:
             message = {"role": "assistant", "content": text}
             return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -482,6 +531,8 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels this generator, which aborts the request."""
     finished = False
+    held: list[str] = []  # a request with tools: its text is held back until the end (it may be a tool call)
+    held_logprobs: list[Any] = []
     try:
         first = fmt.first_chunk()
         if first is not None:
@@ -493,6 +544,12 @@ async def _stream(
                 status, kind = _FAILURES[event.finish_reason]
                 yield _sse(error_body(event.error or event.finish_reason, kind, code=str(status)))
                 break
+            if fmt.tools is not None:
+                held.append(event.text)
+                held_logprobs += event.logprobs or []
+                if event.finish_reason is None:
+                    continue
+                event = dataclasses.replace(event, text="".join(held), logprobs=held_logprobs)
             if event.text or event.token_ids or event.finish_reason:
                 formatted = fmt.logprobs.format(event.logprobs or []) if fmt.logprobs is not None else None
                 choice = fmt.choice(event.text, event.finish_reason, final=False, logprobs=formatted)

@@ -70,6 +70,9 @@ class ServeRequest:
         ignore_eos: do not stop at end-of-sequence tokens (benchmarks: fixed-length outputs).
         logprobs: report each token's log-probability and this many alternatives (0 .. 20, the
             target's raw distribution, :mod:`specdecode.logprobs`); None: off.
+        constraint: structured output (``response_format``, a required tool call): a
+            :class:`~specdecode.constraints.JsonSchema` the scheduler turns into the sequence's
+            grammar state; None: unconstrained.
     """
 
     request_id: str
@@ -87,6 +90,7 @@ class ServeRequest:
     ignore_eos: bool = False
     speculation: str | None = None
     logprobs: int | None = None
+    constraint: Any = None
 
     @property
     def max_k(self) -> int:

@@ -65,7 +65,6 @@ from specdecode.serve.metrics import ServeMetrics
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats
-from specdecode.verify import verify
 
 log = logging.getLogger("specdecode.serve")
 
@@ -430,8 +429,25 @@ class Scheduler:
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build proposer {req.proposer!r}: {error}")
                 return None
+        constraint = None
+        if req.constraint is not None:  # checked by the HTTP layer already; a fresh grammar state per request
+            from specdecode.constraints.build import make_constraint_state
+
+            try:
+                constraint = make_constraint_state(req.constraint, self.tokenizer, self.vocab_size, self.eos)
+            except Exception as error:
+                self.reserved -= self.reservation(req)
+                self._reject(req, "error", f"could not build the constraint: {error}")
+                return None
         seq = RunningSequence(
-            req, self.runner.add_row(), self.max_length, self.reservation(req), proposer, self.eos, self.tokenizer
+            req,
+            self.runner.add_row(),
+            self.max_length,
+            self.reservation(req),
+            proposer,
+            self.eos,
+            self.tokenizer,
+            constraint,
         )
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
@@ -445,7 +461,7 @@ class Scheduler:
         self.metrics.step_phase.labels(phase="prefill").observe(time.perf_counter() - tic)
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
             s.after_prefill(row_hidden)  # (T, H): every prompt position
-            result = verify(DraftTokens.empty().ids, None, row_logits.cpu(), s.sampling, s.generator)
+            result = s.verify(DraftTokens.empty(), row_logits.cpu())  # under a constraint: masked
             self._emit(s, result.tokens, row_logits)  # the logits: rows of log-probabilities, if asked
 
     def _plan(self) -> list[int]:
@@ -483,7 +499,10 @@ class Scheduler:
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
         inputs = [s.step_input(d.ids) for s, d in zip(seqs, drafts, strict=True)]
-        hints = [d.ids.cpu() if s.sampling.greedy and len(d) else None for s, d in zip(seqs, drafts, strict=True)]
+        hints = [  # a split pass compares with the raw argmax: no hint for a constrained row
+            d.ids.cpu() if s.sampling.greedy and len(d) and s.constraint is None else None
+            for s, d in zip(seqs, drafts, strict=True)
+        ]
         tic = time.perf_counter()
         logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs], hints)  # 2. one batched pass
         seconds = time.perf_counter() - tic
@@ -495,8 +514,8 @@ class Scheduler:
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
             ids = draft.ids.cpu()
             probs = draft.probs.cpu() if draft.probs is not None else None
-            scored = row_logits.shape[0] - 1  # fewer than drafted only if greedy and a draft token was wrong
-            result = verify(ids[:scored], probs, row_logits.cpu(), s.sampling, s.generator)  # 3. verify
+            # 3. verify the drafts scored (fewer than drafted only if greedy and a draft token was wrong)
+            result = s.verify(DraftTokens(ids, probs), row_logits.cpu())
             n = result.num_accepted
             self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
             kept = row_hidden[: n + 1] if row_hidden is not None else None  # features of the root + accepted drafts

@@ -148,17 +148,10 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # function calling: specdecode.serve.structured
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None  # text / json_object / json_schema: specdecode.serve.structured
     top_logprobs: int | None = None
-
-    @model_validator(mode="after")
-    def _refuse_chat_extras(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
-        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

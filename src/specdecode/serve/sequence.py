@@ -28,6 +28,7 @@ class RunningSequence(DecodeState):
         proposer: Proposer | None,
         eos: frozenset[int],
         tokenizer: Any,
+        constraint: Any = None,
     ) -> None:
         stats = SpecStats(
             num_speculative_tokens=req.max_k,
@@ -45,6 +46,7 @@ class RunningSequence(DecodeState):
             stats=stats,
             ignore_eos=req.ignore_eos,
             num_logprobs=req.logprobs,
+            constraint=constraint,  # the request's grammar state (structured output), or None
         )
         self.req = req
         self.row = row
