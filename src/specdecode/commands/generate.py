@@ -92,8 +92,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
         default=None,
         metavar="TREE",
         help="draft a token tree instead of a chain (default: a chain): a shape name ('default', tree8 .. "
-        "tree32), a JSON file of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model "
-        "and prompt_lookup",
+        "tree32), a JSON file of rank paths, or dynamic:N[:D:K] (EAGLE-2, N nodes); proposers draft_model, "
+        "prompt_lookup, eagle, medusa, early_exit; both backends (llama.cpp walks the tree: exact)",
     )
 
 

@@ -4,7 +4,9 @@ A :class:`LlamaCppModel` loads a GGUF file once; each :class:`LlamaCppRunner` ma
 llama.cpp context with its own KV cache, and implements the runner contract the engine and the
 proposers use (docs/design.md §2b, :class:`~specdecode.models.runner.ModelRunner` is the torch
 one): ``forward(new_ids, num_logits)`` -> float32 logits ``[num_logits, V]``, ``truncate(n)``
-(``llama_memory_seq_rm``), ``reset``, ``length``, ``vocab_size``, ``max_length``.
+(``llama_memory_seq_rm``), ``reset``, ``length``, ``vocab_size``, ``max_length``, and token trees
+(``forward_masked``, ``compact``), walked depth-first on the one sequence so that every node is
+exact (:mod:`specdecode.models.llamacpp_tree`).
 
 Batch invariance ("exact" mode). Speculative decoding verifies k + 1 tokens in one pass; plain
 decoding runs one token per pass. Greedy output is the same text only when the pass over k + 1
