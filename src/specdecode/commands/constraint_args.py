@@ -1,4 +1,4 @@
-"""``--json-schema FILE``, ``--regex PATTERN``, ``--grammar FILE``: structured output on the command
+"""``--json-schema FILE``, ``--regex RE``, ``--grammar FILE``: structured output on the command
 line (:mod:`specdecode.constraints`)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="constrain the output to JSON valid against the schema in FILE ('-': any JSON object)",
     )
-    group.add_argument("--regex", metavar="PATTERN", help="constrain the output to match PATTERN in full")
+    group.add_argument("--regex", metavar="RE", help="constrain the output to match the regular expression RE in full")
     group.add_argument(
         "--grammar", metavar="FILE", help="constrain the output to the grammar in FILE (Lark, or GBNF with ::=)"
     )
