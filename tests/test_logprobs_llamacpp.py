@@ -1,0 +1,84 @@
+"""Log-probabilities under speculation on the real llama.cpp target (the default GGUF pair), issue 33.
+
+Re-scoring: a fresh runner of the same target scores prompt + emitted tokens as plain decoding
+passes them (the prompt in one prefill pass, then the emitted tokens in one pass); the exact mode's
+passes are batch-invariant (rows of a pass of up to ``invariant_tokens`` tokens are bit-identical to
+one-token passes: tests/test_llamacpp.py), so every reported value must equal the re-scored one
+exactly. Tolerance: ``ATOL = 0.0`` nats (bit-identical), chosen tokens and alternatives, greedy
+(prompt lookup and the draft model, whose verification passes stop early at a wrong draft) and
+sampled. (Re-scoring prompt and completion in ONE pass instead differs by up to ~0.06 nats here,
+with or without speculation alike: the prompt's cache is then computed in other batch shapes.)
+
+Skipped, with the reason, when llama-cpp-python or the model packages are not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.errors import ModelNotFoundError
+
+pytestmark = pytest.mark.slow
+
+ATOL = 0.0  # nats: bit-identical (see the module docstring)
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+def _load(role: str):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    from specdecode.models.backends import load_llamacpp
+    from specdecode.models.llamacpp import LlamaCppOptions
+
+    try:
+        return load_llamacpp(None, role, LlamaCppOptions())  # the defaults: exact
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from specdecode.models.backends import load_llamacpp_tokenizer
+
+    target = _load("target")
+    return target, _load("draft"), load_llamacpp_tokenizer(target)
+
+
+def rescored(target, prompt: list[int], emitted: list[int]) -> torch.Tensor:
+    """float32 ``[len(emitted), V]`` log_softmax from a fresh runner: prefill, then the emitted tokens."""
+    runner = target.make_runner()
+    first = runner.forward(torch.tensor(prompt), num_logits=1)  # (1, V)
+    rest = runner.forward(torch.tensor(emitted[:-1]), num_logits=len(emitted) - 1) if len(emitted) > 1 else first[:0]
+    return torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)  # (m, V)
+
+
+@pytest.mark.parametrize(
+    ("proposer", "sampling"),
+    [
+        (None, SamplingParams(max_new_tokens=40)),
+        ("prompt_lookup", SamplingParams(max_new_tokens=40)),
+        ("draft_model", SamplingParams(max_new_tokens=40)),
+        ("draft_model", SamplingParams(temperature=0.8, top_k=40, seed=1, max_new_tokens=40)),
+    ],
+    ids=["off", "prompt_lookup", "draft_model", "draft_model-sampled"],
+)
+def test_logprobs_equal_rescoring_on_the_llamacpp_target(pair, proposer, sampling) -> None:
+    from specdecode.proposers import make_proposer
+
+    target, draft, tokenizer = pair
+    built = make_proposer(proposer, draft=draft, target=target) if proposer else None
+    spec = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=built)
+    result = spec.generate(PROMPT, sampling, logprobs=5)
+    ids = result.token_ids
+    assert len(result.logprobs) == len(ids) > 1
+    if proposer is not None:  # accepted drafts (the greedy draft model: all of them, bonus tokens)
+        assert result.stats.accepted_tokens > 0
+    if proposer == "prompt_lookup":  # rejections: recovered tokens, passes stopped early
+        assert result.stats.accepted_tokens < result.stats.draft_tokens
+    ref = rescored(target, spec.encode_prompt(PROMPT).tolist(), ids)
+    for i, (entry, token) in enumerate(zip(result.logprobs, ids, strict=True)):
+        assert entry.token_id == token and abs(entry.logprob - float(ref[i, token])) <= ATOL, i
+        best = torch.topk(ref[i], 5)
+        assert [t for t, _ in entry.top] == best.indices.tolist(), i
+        assert all(abs(v - e) <= ATOL for (_, v), e in zip(entry.top, best.values.tolist(), strict=True)), i
