@@ -58,7 +58,35 @@ def machine() -> str:
 def run_mode(gen: SpeculativeGenerator, prompts: list[dict], sampling: SamplingParams, speculative: bool) -> dict:
     rows = []
     for item in prompts:
-        result = gen.generate(item["prompt"], sampling, speculative=speculative, constraint=JsonSchema(item["schema"]))
+        try:
+            result = gen.generate(
+                item["prompt"], sampling, speculative=speculative, constraint=JsonSchema(item["schema"])
+            )
+        except ValueError as error:  # reported as an invalid, non-identical output
+            print(f"{item['id']}: {str(error)[:300]}", file=sys.stderr)
+            rows.append(
+                {
+                    "id": item["id"],
+                    "token_ids": None,
+                    "text": "",
+                    "valid": False,
+                    "error": str(error)[:300],
+                    **dict.fromkeys(
+                        (
+                            "wall_time_s",
+                            "new_tokens",
+                            "target_forward_passes",
+                            "draft_tokens",
+                            "accepted_tokens",
+                            "forced_draft_tokens",
+                            "forced_accepted_tokens",
+                            "cut_draft_tokens",
+                        ),
+                        0,
+                    ),
+                }
+            )
+            continue
         s = result.stats
         rows.append(
             {
@@ -76,7 +104,9 @@ def run_mode(gen: SpeculativeGenerator, prompts: list[dict], sampling: SamplingP
                 "cut_draft_tokens": s.cut_draft_tokens,
             }
         )
-    total = {k: sum(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], int | float) and k != "valid"}
+    keys = ("wall_time_s", "new_tokens", "target_forward_passes", "draft_tokens", "accepted_tokens")
+    keys += ("forced_draft_tokens", "forced_accepted_tokens", "cut_draft_tokens")
+    total = {k: sum(r[k] for r in rows) for k in keys}
     total["valid"] = sum(r["valid"] for r in rows)
     return {"rows": rows, "total": total}
 

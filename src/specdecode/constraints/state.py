@@ -82,6 +82,7 @@ class ConstraintState:
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next: bool ``[V]`` (EOS ids once the grammar is complete)."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        self._check("mask")  # e.g. llguidance's ParserTooComplex: never decode on a stale mask
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
 
     def allowed_along(self, ids: Sequence[int]) -> torch.Tensor:
@@ -95,11 +96,14 @@ class ConstraintState:
         consumed = 0
         rows[0] = self.allowed()
         for i, token in enumerate(ids):
-            if not rows[i, token] or not self.matcher.consume_token(int(token)):
+            # a failed consume would leave the matcher in its error state for good: validate first
+            if not rows[i, token] or self.matcher.validate_tokens([int(token)]) != 1:
                 break
+            self.matcher.consume_token(int(token))
             consumed += 1
             rows[i + 1] = self.allowed()
         self.matcher.rollback(consumed)
+        self._check("masks")
         return rows
 
     def advance(self, ids: Sequence[int]) -> None:
