@@ -80,3 +80,15 @@ def test_an_option_of_several_proposers_gets_each_ones_help() -> None:
     assert "draft_model: auto" in text and "early_exit: none" in text
     proposer = next(a for a in generate._actions if "--proposer" in a.option_strings)
     assert proposer.default == "auto" and "auto" in proposer.choices
+
+
+def test_the_llamacpp_server_refuses_proposers_that_read_features_naming_both() -> None:
+    """``specdecode serve --backend llamacpp``: its batched runner returns no hidden states, so EAGLE
+    and Medusa (which ``generate`` runs on llama.cpp) are refused before any model loads."""
+    from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
+    from specdecode.serve.loading import ModelSource, load_server_models
+
+    assert LlamaCppBatchedRunner.returns_hidden is False
+    for name in ("eagle", "medusa"):
+        with pytest.raises(ValueError, match=f"--proposer {name}: the llamacpp server's batched runner"):
+            load_server_models(ModelSource(backend="llamacpp"), name)

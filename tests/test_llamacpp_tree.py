@@ -167,3 +167,28 @@ def test_greedy_tree_speculation_equals_plain_decoding(target, draft, tokenizer,
     speculative = generator.generate(PROMPT, sampling, tree=tree)
     assert speculative.token_ids == plain.token_ids
     assert speculative.stats.tree != "none" and speculative.stats.accepted_tokens > 0
+
+
+def test_sampled_tree_speculation_walks_every_node_and_keeps_the_sampled_path(target, tokenizer) -> None:
+    """Sampling reads the rows of the nodes its walk reaches, which the randomness picks, so the
+    runner decodes every node (no greedy hint): a seeded run repeats itself and leaves the cache
+    holding the emitted text (the next token's logits match a fresh runner fed the output). That
+    ``compact`` rebuilds a path off the walked one is tested above, bit for bit."""
+    generator = SpeculativeGenerator(
+        target, tokenizer=tokenizer, proposer=PromptLookupProposer(PromptLookupConfig(min_ngram=1))
+    )
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=32, seed=3)
+    first = generator.generate(PROMPT, sampling, tree="tree8")
+    again = generator.generate(PROMPT, sampling, tree="tree8")
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 32
+    assert first.stats.draft_tokens > 0
+    runner = generator.target  # the cache: the prompt and the output, up to the last token or so
+    full = torch.cat([generator.encode_prompt(PROMPT), torch.tensor(first.token_ids)])
+    cached = runner.length
+    assert len(full) - 2 <= cached <= len(full)
+    fresh = target.make_runner(n_ctx=512)
+    fresh.forward(full[:cached])
+    probe = torch.tensor([13])  # any next token: both caches must hold the same context
+    mine, theirs = runner.forward(probe)[0], fresh.forward(probe)[0]
+    assert int(mine.argmax()) == int(theirs.argmax())
+    assert (mine - theirs).abs().max() < 0.05 * (1 + float(theirs.abs().max()))  # prefill rounding only
