@@ -190,3 +190,22 @@ def test_cli_bad_logprobs_fail_before_loading_naming_the_flag(capsys, flags) -> 
 
     assert main(["generate", "hi", "--target", "/nonexistent", *flags]) == 2
     assert "--logprobs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_logprobs_under_a_constraint_are_the_raw_unmasked_distribution(tiny_tokenizer, sampling) -> None:
+    """Structured output masks the distribution the tokens are drawn from; the reported values
+    stay the target's raw ones (the masked-out alternatives included), equal to re-scoring."""
+    pytest.importorskip("llguidance")
+    from specdecode.constraints import Regex
+
+    from conftest import make_tiny_model, perturbed_copy
+
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    spec = SpeculativeGenerator(
+        target, tokenizer=tiny_tokenizer, proposer=DraftModelProposer(perturbed_copy(target, 0.01))
+    )
+    prompt = tiny_tokenizer.encode("def add(a, b):")
+    result = spec.generate(prompt, sampling, logprobs=4, constraint=Regex(r"(def|class) [a-z]{1,8}\(\):"))
+    assert result.text.startswith(("def ", "class "))
+    check_against_rescoring(target, prompt, result.token_ids, result.logprobs, 4)

@@ -5,9 +5,10 @@ passes them (the prompt in one prefill pass, then the emitted tokens in one pass
 passes are batch-invariant (rows of a pass of up to ``invariant_tokens`` tokens are bit-identical to
 one-token passes: tests/test_llamacpp.py), so every reported value must equal the re-scored one
 exactly. Tolerance: ``ATOL = 0.0`` nats (bit-identical), chosen tokens and alternatives, greedy
-(prompt lookup and the draft model, whose verification passes stop early at a wrong draft) and
-sampled. (Re-scoring prompt and completion in ONE pass instead differs by up to ~0.06 nats here,
-with or without speculation alike: the prompt's cache is then computed in other batch shapes.)
+(prompt lookup and the draft model, whose verification passes stop early at a wrong draft; token
+trees, whose greedy walk decodes only the nodes it reads) and sampled. (Re-scoring prompt and
+completion in ONE pass instead differs by up to ~0.06 nats here, with or without speculation
+alike: the prompt's cache is then computed in other batch shapes.)
 
 Skipped, with the reason, when llama-cpp-python or the model packages are not installed.
 """
@@ -53,23 +54,29 @@ def rescored(target, prompt: list[int], emitted: list[int]) -> torch.Tensor:
     return torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)  # (m, V)
 
 
+GREEDY = SamplingParams(max_new_tokens=40)
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, seed=1, max_new_tokens=40)
+
+
 @pytest.mark.parametrize(
-    ("proposer", "sampling"),
+    ("proposer", "sampling", "tree"),
     [
-        (None, SamplingParams(max_new_tokens=40)),
-        ("prompt_lookup", SamplingParams(max_new_tokens=40)),
-        ("draft_model", SamplingParams(max_new_tokens=40)),
-        ("draft_model", SamplingParams(temperature=0.8, top_k=40, seed=1, max_new_tokens=40)),
+        (None, GREEDY, None),
+        ("prompt_lookup", GREEDY, None),
+        ("draft_model", GREEDY, None),
+        ("draft_model", SAMPLED, None),
+        ("draft_model", GREEDY, "tree8"),  # the depth-first walk decodes the greedy path's nodes
+        ("draft_model", SAMPLED, "tree8"),
     ],
-    ids=["off", "prompt_lookup", "draft_model", "draft_model-sampled"],
+    ids=["off", "prompt_lookup", "draft_model", "draft_model-sampled", "tree", "tree-sampled"],
 )
-def test_logprobs_equal_rescoring_on_the_llamacpp_target(pair, proposer, sampling) -> None:
+def test_logprobs_equal_rescoring_on_the_llamacpp_target(pair, proposer, sampling, tree) -> None:
     from specdecode.proposers import make_proposer
 
     target, draft, tokenizer = pair
     built = make_proposer(proposer, draft=draft, target=target) if proposer else None
     spec = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=built)
-    result = spec.generate(PROMPT, sampling, logprobs=5)
+    result = spec.generate(PROMPT, sampling, logprobs=5, tree=tree)
     ids = result.token_ids
     assert len(result.logprobs) == len(ids) > 1
     if proposer is not None:  # accepted drafts (the greedy draft model: all of them, bonus tokens)
