@@ -89,3 +89,42 @@ def test_logprobs_equal_rescoring_on_the_llamacpp_target(pair, proposer, samplin
         best = torch.topk(ref[i], 5)
         assert [t for t, _ in entry.top] == best.indices.tolist(), i
         assert all(abs(v - e) <= ATOL for (_, v), e in zip(entry.top, best.values.tolist(), strict=True)), i
+
+
+def test_server_logprobs_on_llamacpp_equal_decoding_alone(pair) -> None:
+    """The llama.cpp server (one context for every row, prompt lookup, passes stopped early at a
+    wrong greedy draft): concurrent completions' log-probabilities equal, bit for bit (``ATOL``),
+    those of the same prompt decoded alone without speculation on this backend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from test_serve import Server
+
+    target, _, tokenizer = pair
+    prompts = [PROMPT, "Translate to French: the cat sleeps on the warm stone.", "def running_sum(xs):"]
+    plain = SpeculativeGenerator(target, tokenizer=tokenizer)
+    options = dict(proposer="prompt_lookup", proposer_options={"min_ngram": 2}, kv_budget_tokens=4 * 1024)
+    with Server(target, tokenizer, speculation="on", max_batch_size=4, **options) as server:
+
+        def ask(prompt: str) -> dict:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0, "logprobs": 3}
+            return httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=600)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = [r.json() for r in pool.map(ask, prompts)]
+    drafted = 0
+    for prompt, out in zip(prompts, answers, strict=True):
+        choice = out["choices"][0]
+        ids = tokenizer.encode(prompt)  # as the server encodes a completion's prompt
+        alone = plain.generate(ids, SamplingParams(max_new_tokens=32), speculative=False, logprobs=3)
+        assert choice["token_ids"] == alone.token_ids
+        logprobs = choice["logprobs"]
+        assert all(abs(a - e.logprob) <= ATOL for a, e in zip(logprobs["token_logprobs"], alone.logprobs, strict=True))
+        for top, e in zip(logprobs["top_logprobs"], alone.logprobs, strict=True):
+            expected: dict[str, float] = {}  # the 3 alternatives and the chosen token, by text (the likelier first)
+            for t, lp in [*e.top, (e.token_id, e.logprob)]:
+                expected.setdefault(tokenizer.decode([t]), lp)
+            assert top == expected  # JSON carries floats exactly
+        drafted += out["speculative"]["draft_tokens"]
+    assert drafted > 0
