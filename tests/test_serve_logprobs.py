@@ -178,6 +178,12 @@ BAD = [
 ]
 
 
+def test_top_logprobs_0_without_logprobs_is_off(server) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "top_logprobs": 0}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+
 @pytest.mark.parametrize(("route", "fields", "name"), BAD)
 def test_bad_logprobs_get_400_naming_the_field_and_the_server_keeps_serving(server, route, fields, name) -> None:
     base = {"model": "tiny", "max_tokens": 3, "temperature": 0}

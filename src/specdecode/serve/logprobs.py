@@ -7,7 +7,7 @@ float32 logits, before temperature / top-k / top-p), the same with speculation o
 Request fields (OpenAI's rules; 20 alternatives at most, as OpenAI's chat and vLLM):
 
 - chat: ``logprobs`` (bool) turns them on; ``top_logprobs`` (0 .. 20) alternatives per position,
-  and only with ``logprobs: true``;
+  above 0 only with ``logprobs: true``;
 - completions: ``logprobs`` (0 .. 20) turns them on with that many alternatives.
 
 Response shapes:
@@ -55,7 +55,7 @@ def completion_num_logprobs(value: Any) -> int | None:
 
 def chat_num_logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
     """``/v1/chat/completions``: the number of alternatives (None: off) from ``logprobs`` (bool)
-    and ``top_logprobs`` (``[0, 20]``, only with ``logprobs: true``).
+    and ``top_logprobs`` (``[0, 20]``; above 0 only with ``logprobs: true``).
 
     Raises:
         ValueError: ``logprobs`` not a boolean, ``top_logprobs`` out of range or given without
@@ -67,7 +67,7 @@ def chat_num_logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
             f"top_logprobs), got {logprobs!r}"
         )
     top = check_num_logprobs(top_logprobs, "top_logprobs")
-    if top is not None and not logprobs:
+    if top and not logprobs:  # 0 without logprobs is harmless (as vLLM reads it)
         raise ValueError("top_logprobs needs logprobs: true")
     return (top or 0) if logprobs else None
 
