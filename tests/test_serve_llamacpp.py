@@ -106,6 +106,7 @@ def test_batched_runner_rows_equal_one_sequence_alone(target) -> None:
         if i == 1:
             assert torch.equal(solo.forward(steps[1][:3], 3), mixed[1])
     assert batched.max_length == 1024
+    assert batched.add_row() == 2 and batched.seq_ids == [2, 1, 0]  # the lowest free id: ids stay consecutive
     with pytest.raises(ValueError, match="exceed the 1024 a row holds"):
         batched.forward(0, [torch.zeros(400, dtype=torch.int64)], [1])
     with pytest.raises(ValueError, match="return_hidden"):
