@@ -48,6 +48,7 @@ from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from specdecode.serve.structured import (
     ToolMode,
+    chat_template_messages,
     chat_template_tools,
     parse_tool_calls,
     response_format_constraint,
@@ -325,7 +326,10 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            messages = chat_template_messages(body.messages, tokenizer.chat_template)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
         constraint, tools = structured_output(body)
         extra = {"tools": chat_template_tools(tools)} if tools is not None else {}
         try:
@@ -352,7 +356,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
 
         try:
             constraint = response_format_constraint(body.response_format)
-            tools = tool_mode(body.tools, body.tool_choice)
+            tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
         if tools is not None and tools.constrained:

@@ -18,14 +18,18 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
 Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0 .. 20), completions
 ``logprobs`` (0 .. 20), from the target's raw distribution (:mod:`specdecode.serve.logprobs`).
 
+Structured output and function calling (``response_format``, ``tools``, ``tool_choice``,
+``parallel_tool_calls``, ``tool`` messages and assistant ``tool_calls`` in the history):
+:mod:`specdecode.serve.structured`.
+
 Standard fields that would change what is decoded but are not implemented (``echo``,
-``best_of`` > 1, ``n`` > 1, penalties, ``logit_bias``, ``suffix``, tools, response
-formats) are refused with a message naming them, never silently ignored. Unknown fields are
-ignored, as OpenAI-compatible servers do.
+``best_of`` > 1, ``n`` > 1, penalties, ``logit_bias``, ``suffix``) are refused with a message
+naming them, never silently ignored. Unknown fields are ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -130,11 +134,57 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
+    """The function of an assistant's tool call: ``name`` and ``arguments`` (a JSON object, as a string)."""
+
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str = Field(min_length=1)
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"must be a JSON object as a string ({error})") from None
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object as a string")
+        return arguments
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message in the history (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message of ``messages``. ``tool_calls`` only on an ``assistant`` message (its
+    ``content`` may then be null); a ``tool`` message needs ``tool_call_id`` and ``content``."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has tool calls, not a {self.role!r} one")
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+            if self.content is None:
+                raise ValueError("content: a tool message needs content (the tool's result)")
+        elif self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id: only a tool message has one, not a {self.role!r} one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -150,6 +200,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None  # function calling: specdecode.serve.structured
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (specdecode.serve.structured)
     response_format: dict[str, Any] | None = None  # text / json_object / json_schema: specdecode.serve.structured
     top_logprobs: int | None = None
 

@@ -21,11 +21,15 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.constraints.spec import Constraint, JsonSchema
 from specdecode.serve.request import InvalidRequestError
+
+if TYPE_CHECKING:
+    from specdecode.serve.schemas import ChatMessage
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -40,10 +44,12 @@ class ToolSpec:
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How a request's tools are used: ``choice`` is ``"auto"``, ``"required"`` or ``"named"``."""
+    """How a request's tools are used: ``choice`` is ``"auto"``, ``"required"`` or ``"named"``;
+    ``parallel`` false (``parallel_tool_calls: false``) keeps at most one call."""
 
     tools: tuple[ToolSpec, ...]
     choice: str
+    parallel: bool = True
 
     @property
     def constrained(self) -> bool:
@@ -79,8 +85,10 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
     )
 
 
-def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode | None:
-    """Parse ``tools`` and ``tool_choice`` (None: no tools, or ``tool_choice: "none"``).
+def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ToolMode | None:
+    """Parse ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (None: no tools, or
+    ``tool_choice: "none"``). ``parallel_tool_calls`` (default true): false keeps at most one call of
+    an ``"auto"`` reply (the first); ``"required"`` and a named choice always give exactly one.
 
     Raises:
         InvalidRequestError: a malformed tool or choice, or a named tool that is not offered.
@@ -89,6 +97,7 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode | None:
         raise InvalidRequestError("tool_choice needs tools", "tool_choice")
     if not tools or tool_choice == "none":
         return None
+    parallel = parallel_tool_calls is not False
     specs = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -104,15 +113,15 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any) -> ToolMode | None:
     if len({s.name for s in specs}) != len(specs):
         raise InvalidRequestError("tools: function names must be unique", "tools")
     if tool_choice in (None, "auto"):
-        return ToolMode(tuple(specs), "auto")
+        return ToolMode(tuple(specs), "auto", parallel)
     if tool_choice == "required":
-        return ToolMode(tuple(specs), "required")
+        return ToolMode(tuple(specs), "required", parallel)
     if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         chosen = [s for s in specs if s.name == name]
         if not chosen:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not among tools", "tool_choice")
-        return ToolMode(tuple(chosen), "named")
+        return ToolMode(tuple(chosen), "named", parallel)
     raise InvalidRequestError(
         "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
         "tool_choice",
@@ -140,12 +149,61 @@ def chat_template_tools(mode: ToolMode) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in mode.tools]
 
 
+def chat_template_messages(messages: Sequence[ChatMessage], chat_template: Any) -> list[dict[str, Any]]:
+    """The request's ``messages`` as ``transformers``' ``apply_chat_template`` takes them.
+
+    Text messages become ``{"role", "content"}``; an assistant message with ``tool_calls`` becomes
+    ``{"role": "assistant", "content": text or "", "tool_calls": [{"id", "type": "function",
+    "function": {"name", "arguments": dict}}]}`` (arguments parsed from OpenAI's JSON string: Qwen2.5's
+    and Llama 3's templates serialise them with ``tojson``); a ``tool`` message becomes ``{"role":
+    "tool", "content", "tool_call_id", "name"}`` with the name of the call it answers.
+
+    Args:
+        messages: the validated messages (:class:`~specdecode.serve.schemas.ChatMessage`).
+        chat_template: the tokenizer's ``chat_template`` (a string, or a dict of named templates).
+
+    Raises:
+        InvalidRequestError: ``messages[i].tool_call_id`` answers no earlier assistant tool call, or
+            ``messages[i].tool_calls`` with a chat template that does not render tool calls (it
+            would drop them silently).
+    """
+    template = chat_template if isinstance(chat_template, str) else " ".join(map(str, (chat_template or {}).values()))
+    calls: dict[str, str] = {}  # id -> function name, of the tool calls so far
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.tool_calls:
+            if "tool_calls" not in template:
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_calls: this model's chat template does not render tool calls",
+                    f"messages[{i}].tool_calls",
+                )
+            rendered["tool_calls"] = []
+            for call in message.tool_calls:
+                calls[call.id] = call.function.name
+                function = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+                rendered["tool_calls"].append({"id": call.id, "type": "function", "function": function})
+        if message.role == "tool":
+            name = calls.get(message.tool_call_id or "")
+            if name is None:
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no tool call of an earlier "
+                    "assistant message",
+                    f"messages[{i}].tool_call_id",
+                )
+            rendered["tool_call_id"] = message.tool_call_id
+            rendered["name"] = name
+        out.append(rendered)
+    return out
+
+
 def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
     """The tool calls in a completion, in OpenAI's shape (``id``, ``type``, ``function.name``,
     ``function.arguments`` as a JSON string), or None when it holds none.
 
     Constrained (required / named): the whole text is one call. Auto: each
-    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block naming an offered tool.
+    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` block naming an offered tool (only the
+    first when ``mode.parallel`` is false).
     """
     names = {t.name for t in mode.tools}
     bodies = [text] if mode.constrained else _TOOL_CALL.findall(text)
@@ -165,4 +223,4 @@ def parse_tool_calls(text: str, mode: ToolMode) -> list[dict[str, Any]] | None:
                 "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
             }
         )
-    return calls or None
+    return (calls if mode.parallel else calls[:1]) or None
