@@ -191,6 +191,33 @@ def test_tree_branches_checked_against_the_grammar(models, tok, aware: bool) -> 
     assert (got.stats.cut_draft_tokens > 0) == aware
 
 
+@pytest.mark.parametrize("draft", ["unrelated", "perturbed"])
+def test_trees_get_forced_tokens(models, tok, draft: str) -> None:
+    """Under a schema with fixed keys, a tree's leaves above its depth (branches cut by the grammar)
+    get the grammar's forced tokens as chains: the same output as constrained target-only greedy
+    decoding, forced nodes drafted and accepted, fewer target passes than with masks only (no cut,
+    no forced tokens); sampled outputs still validate."""
+    constraint = CONSTRAINTS["json"]
+    prompt = _prompt(tok)
+    spec = SpeculativeGenerator(models["target"], models[draft], tokenizer=tok)
+    sampling = SamplingParams(max_new_tokens=60)
+    expected = reference_greedy(models["target"], tok, constraint, prompt, 60, set(spec.eos_token_ids))
+    got = spec.generate(prompt, sampling, tree="default", constraint=constraint)
+    assert got.token_ids == expected
+    assert 0 < got.stats.forced_accepted_tokens <= got.stats.forced_draft_tokens
+    spec.grammar_aware_drafting = False
+    off = spec.generate(prompt, sampling, tree="default", constraint=constraint)
+    assert off.token_ids == expected and off.stats.forced_draft_tokens == 0
+    assert got.stats.target_forward_passes < off.stats.target_forward_passes
+    spec.grammar_aware_drafting = True
+    for seed in range(3):
+        sampled = spec.generate(
+            prompt, SamplingParams(max_new_tokens=80, temperature=1.0, seed=seed), tree="default", constraint=constraint
+        )
+        if sampled.finish_reason == "stop":
+            jsonschema.validate(json.loads(sampled.text), SCHEMA)
+
+
 def test_outputs_parse_and_validate_under_sampling(models, tok) -> None:
     """Sampled outputs (temperature 1, several seeds, a sampling draft) all parse and validate."""
     spec = SpeculativeGenerator(models["target"], models["perturbed"], tokenizer=tok)

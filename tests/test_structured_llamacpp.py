@@ -123,3 +123,29 @@ def test_server_json_schema_on_llamacpp_equals_constrained_target_only(target) -
     assert choice.finish_reason == "stop"
     _valid(choice.message.content)
     assert out.model_extra["speculative"]["enabled"]
+
+
+def test_constrained_tree_with_forced_chains_equals_constrained_target_only(target) -> None:
+    """Token trees of the draft model under the schema on llama.cpp (the depth-first walk over every
+    node): branches cut by the grammar, forced tokens added as chains, and the output still token for
+    token constrained target-only decoding."""
+    from specdecode.models.backends import load_llamacpp
+    from specdecode.models.llamacpp import LlamaCppOptions
+    from specdecode.proposers import make_proposer
+
+    model, tokenizer = target
+    try:
+        draft = load_llamacpp(None, "draft", LlamaCppOptions(threads=2))
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")
+    spec = SpeculativeGenerator(
+        model, tokenizer=tokenizer, proposer=make_proposer("draft_model", draft=draft, target=model)
+    )
+    prompt = chat_ids(tokenizer, PROMPT)
+    expected = reference_constrained(model, tokenizer, prompt, MAX_TOKENS, set(spec.eos_token_ids))
+    result = spec.generate(
+        prompt, SamplingParams(max_new_tokens=MAX_TOKENS), tree="tree8", constraint=JsonSchema(SCHEMA)
+    )
+    assert result.token_ids == expected
+    _valid(result.text)
+    assert result.stats.accepted_tokens > 5

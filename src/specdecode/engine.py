@@ -382,13 +382,12 @@ class SpeculativeGenerator:
         assert proposer is not None
         tic = time.perf_counter()
         draft = proposer.propose_tree(state.context[: state.T], tree, state.sampling, state.generator)  # type: ignore[attr-defined]
-        if state.constraint is not None:  # each branch checked against the grammar: forbidden nodes cut
-            draft = state.constraint.shape_tree(draft)
+        if draft.depth > room:  # near max_new_tokens / the context limit
+            draft = draft.prune(room)
+        if state.constraint is not None:  # branches checked against the grammar (forbidden nodes cut), forced
+            draft = state.constraint.shape_tree(draft)  # tokens added as chains, no deeper than the tree
         toc = time.perf_counter()
         depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
-        if int(depths.max()) > room:  # near max_new_tokens / the context limit
-            draft = draft.prune(room)
-            depths, mask = tree_attention(draft.parents)
         cached = target.length  # T - 1
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
         features = needs_features(proposer)

@@ -73,6 +73,7 @@ class ConstraintState:
         self.forced_accepted_tokens = 0
         self.cut_draft_tokens = 0
         self._pending: tuple[int, int, DraftCut | None] | None = None  # (valid drafts, forced drafts, cut)
+        self._forced_nodes: frozenset[int] = frozenset()  # tree nodes of forced tokens, last shape_tree
 
     def _check(self, what: str) -> None:
         if self.matcher.is_error():
@@ -203,20 +204,63 @@ class ConstraintState:
         return path[::-1]
 
     def shape_tree(self, tree: DraftTree) -> DraftTree:
-        """The nodes of ``tree`` whose root path the grammar allows (a forbidden node goes with its
-        subtree; parents renumbered). Under grammar-aware drafting only; else ``tree`` itself."""
+        """Grammar-aware drafting for a token tree: the nodes whose root path the grammar allows (a
+        forbidden node goes with its subtree; parents renumbered), then forced tokens as chains.
+
+        Where a kept leaf (or the root, when every node was cut) stands above the tree's original
+        depth and the grammar forces the next tokens (``LLMatcher.compute_ff_tokens``), they are
+        appended as a chain under it, down to that depth (new nodes after the old ones, so parents
+        stay in ``[0, i)``). A tree's candidates are deterministic proposals, so extra deterministic
+        nodes leave the output unchanged; the verifier still checks them. Under grammar-aware
+        drafting only; else ``tree`` itself.
+
+        Args:
+            tree: the proposer's tree, ids and parents int64 ``[N]``.
+
+        Returns:
+            The shaped tree, ids and parents int64 ``[M]``.
+        """
+        self._forced_nodes = frozenset()
         if not self.grammar_aware_drafting or not len(tree):
             return tree
         ids, parents = tree.ids.tolist(), tree.parents.tolist()
         keep = [i for i in range(1, len(ids) + 1) if self._allows(self._path(parents, ids, i))]
-        if len(keep) == len(ids):
-            return tree
         self.cut_draft_tokens += len(ids) - len(keep)
         new_index = {0: 0, **{node: j + 1 for j, node in enumerate(keep)}}
-        return DraftTree(
-            torch.tensor([ids[i - 1] for i in keep], dtype=torch.int64),
-            torch.tensor([new_index[parents[i - 1]] for i in keep], dtype=torch.int64),
-        )
+        kept_ids = [ids[i - 1] for i in keep]
+        kept_parents = [new_index[parents[i - 1]] for i in keep]
+        forced = self._forced_chains(kept_ids, kept_parents, tree.depth)
+        if len(keep) == len(ids) and not forced:
+            return tree
+        return DraftTree(torch.tensor(kept_ids, dtype=torch.int64), torch.tensor(kept_parents, dtype=torch.int64))
+
+    def _forced_chains(self, ids: list[int], parents: list[int], depth: int) -> int:
+        """Append (in place) forced-token chains under the leaves above ``depth``; returns how many
+        nodes were added (their indices kept for :meth:`verify_tree`'s count)."""
+        first = len(ids) + 1
+        depths = [0] * (len(ids) + 1)
+        for node in range(1, len(ids) + 1):
+            depths[node] = depths[parents[node - 1]] + 1
+        has_child = set(parents)
+        leaves = [node for node in range(len(ids) + 1) if node not in has_child]  # the root only when empty
+        for leaf in leaves:
+            budget = depth - depths[leaf]
+            if budget <= 0:
+                continue
+            path = self._path(parents, ids, leaf)
+            self.matcher.consume_tokens(path)
+            chain = self.matcher.compute_ff_tokens()[:budget]
+            self.matcher.rollback(len(path))
+            self._check("forced tokens")
+            parent = leaf
+            for token in chain:
+                ids.append(int(token))
+                parents.append(parent)
+                parent = len(ids)
+        added = len(ids) + 1 - first
+        self.forced_draft_tokens += added
+        self._forced_nodes = frozenset(range(first, len(ids) + 1))
+        return added
 
     def _allows(self, path: list[int]) -> bool:
         return self.matcher.validate_tokens(path) == len(path)
@@ -244,6 +288,11 @@ class ConstraintState:
     ) -> VerifyResult:
         """Verify a tree pass under the grammar
         (:func:`~specdecode.constraints.verify.verify_tree_constrained`); ``target_logits``
-        float ``[N + 1, V]``."""
+        float ``[N + 1, V]``. ``tree`` is what :meth:`shape_tree` returned (its forced nodes are
+        counted in ``forced_accepted_tokens`` when kept)."""
         allowed = self.allowed_tree(tree).to(target_logits.device)  # (N + 1, V)
-        return verify_tree_constrained(tree.ids, tree.parents, target_logits, allowed, sampling, generator)
+        result = verify_tree_constrained(tree.ids, tree.parents, target_logits, allowed, sampling, generator)
+        forced, self._forced_nodes = self._forced_nodes, frozenset()
+        if forced and result.path is not None:
+            self.forced_accepted_tokens += sum(int(node) in forced for node in result.path.tolist())
+        return result
