@@ -13,7 +13,9 @@
   tool call), ``"none"`` (the tools are not shown, plain text).
 
 A response with tool calls has ``message.content`` null, ``message.tool_calls`` and
-``finish_reason: "tool_calls"``; a stream sends them in one delta at the end.
+``finish_reason: "tool_calls"``; a stream sends them in one delta at the end. ``parallel_tool_calls:
+false`` keeps the first call of an ``"auto"`` reply. The history of a multi-turn exchange (assistant
+``tool_calls``, ``tool`` results) is rendered by the chat template (:func:`chat_template_messages`).
 """
 
 from __future__ import annotations
