@@ -477,3 +477,19 @@ def test_the_plan_and_an_estimate_go_to_stderr_before_the_run_ends(models, quest
     err = capsys.readouterr().err
     assert f"{len(prompts)} prompts ({turns} turns) x 2 methods x 1 repeats = {2 * turns} generations" in err
     assert "the first prompt took" in err and "the whole run about" in err
+
+
+def test_a_method_with_options_of_a_proposer_without_draft_runs_without_a_draft(models, questions) -> None:
+    """``prompt_lookup(min_ngram=3)`` needs no draft model: it runs when none was loaded (it asked
+    for one before, so such a method failed unless a draft-model method was in the same run)."""
+    no_draft = BenchModels(models.target, None, models.tokenizer)
+    prompts = load_prompts(questions, "qa", None)
+    methods = expand(["target", "prompt_lookup(min_ngram=3)"], [3])
+    results = run_bench(no_draft, prompts, methods, SETTINGS, progress=False)
+    ran = {r["method"] for r in results["records"]}
+    assert "target" in ran and any(m.startswith("prompt_lookup(min_ngram=3)") for m in ran), ran
+    assert not results.get("skipped"), results.get("skipped")
+    from specdecode.bench.methods import parse_method
+
+    with pytest.raises(ValueError, match="needs a draft model"):
+        parse_method("draft_model(draft_confidence=0.5)").factory(no_draft)  # a draft proposer still asks

@@ -530,8 +530,10 @@ def parse_method(text: str) -> Method:
         config = spec.make_config(**options)
 
         def factory(models: BenchModels) -> Proposer:
+            if not spec.needs_draft:  # e.g. prompt_lookup(min_ngram=3): no draft model, none required
+                return spec.build(config, models.target, None)
             other = models.other_draft(draft) if draft is not None else models.require_draft()
-            return spec.build(config, models.target, other if spec.needs_draft else None)
+            return spec.build(config, models.target, other)
 
     else:
         factory = base.factory  # type: ignore[assignment]
