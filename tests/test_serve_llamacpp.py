@@ -176,7 +176,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"model": MODEL, "prompt": [5] * 1100}, "prompt"),  # a row holds 1024 tokens
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2000}, "max_tokens"),  # prompt + max_tokens over a row
-    ({"model": MODEL, "prompt": "hi", "proposer": "eagle"}, "proposer"),  # a torch-only proposer
+    ({"model": MODEL, "prompt": "hi", "proposer": "eagle"}, "proposer"),  # needs hidden states: not on this server
     ({"model": MODEL, "prompt": "hi", "proposer": "draft_model"}, "proposer"),  # no draft loaded
     ({"model": MODEL, "prompt": "hi", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"model": MODEL, "prompt": [10**7]}, "prompt"),  # outside the vocabulary
