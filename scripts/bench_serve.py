@@ -281,6 +281,27 @@ def load_chats(args: argparse.Namespace, count: int) -> list[str]:
     return (chats * (count // max(1, len(chats)) + 1))[:count]
 
 
+def wait_http_ready(process: subprocess.Popen, url: str, what: str, log: str, timeout: float) -> None:
+    """Poll ``url`` until it answers 200.
+
+    Raises:
+        RuntimeError: ``process`` exited, or ``timeout`` seconds passed (naming ``what`` and ``log``).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}; see {log}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not start in {timeout} s; see {log}")
+
+
 class ServerProcess:
     """``specdecode serve`` in a subprocess, on a free port, until closed."""
 
@@ -309,19 +330,7 @@ class ServerProcess:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not start in {timeout} s; see {self.log.name}")
+        wait_http_ready(self.process, self.url + "/health", "the server", self.log.name, timeout)
 
     def metrics(self) -> dict[str, float]:
         import httpx
@@ -382,19 +391,8 @@ class PeerProcess(ServerProcess):
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the peer exited with {self.process.returncode}; see {self.log.name}")
-            try:  # llama-server: /health is 503 while loading; llama_cpp.server has no /health
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the peer did not start in {timeout} s; see {self.log.name}")
+        # llama-server: /health is 503 while loading; llama_cpp.server has no /health
+        wait_http_ready(self.process, self.url + "/v1/models", "the peer", self.log.name, timeout)
 
     def metrics(self) -> dict[str, float]:
         return {}

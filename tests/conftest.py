@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -118,6 +119,14 @@ def model_dirs(tmp_path_factory, tiny_tokenizer):
     return root / "target", root / "draft"
 
 
+@pytest.fixture(scope="module")
+def chat_models(tiny_tokenizer) -> tuple[Qwen2ForCausalLM, Qwen2ForCausalLM]:
+    """(target, draft) over the tiny tokenizer's vocabulary, the draft a perturbed copy (part of
+    its drafts accepted): the pair the server tests serve (one pair per test module)."""
+    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
+    return target, perturbed_copy(target, noise=0.01)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_target: Qwen2ForCausalLM) -> dict[str, Qwen2ForCausalLM]:
     """Target and three drafts: identical (all accepted), unrelated (almost none), perturbed (part)."""
@@ -127,3 +136,18 @@ def tiny_pair(tiny_target: Qwen2ForCausalLM) -> dict[str, Qwen2ForCausalLM]:
         "unrelated": make_tiny_model(seed=123),
         "perturbed": perturbed_copy(tiny_target, noise=0.01),
     }
+
+
+def load_default_gguf(role: str, **options: Any) -> Any:
+    """The default pair's GGUF ``role`` (``"target"`` / ``"draft"``) on llama.cpp with
+    :class:`~specdecode.models.llamacpp.LlamaCppOptions` ``options`` (none: the defaults, exact
+    mode); the test is skipped where llama-cpp-python or the default models are not installed."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    from specdecode.errors import ModelNotFoundError
+    from specdecode.models.backends import load_llamacpp
+    from specdecode.models.llamacpp import LlamaCppOptions
+
+    try:
+        return load_llamacpp(None, role, LlamaCppOptions(**options))
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.errors import ModelNotFoundError
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import logits_to_probs
 from specdecode.verify import VerifyResult
 
+from conftest import load_default_gguf
 from stat_checks import P_MIN, chi_square_p
 
 pytestmark = pytest.mark.slow
@@ -37,25 +37,14 @@ LONG_PROMPT = (
 )
 
 
-def _load(role: str, **options):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.models.backends import load_llamacpp
-    from specdecode.models.llamacpp import LlamaCppOptions
-
-    try:
-        return load_llamacpp(None, role, LlamaCppOptions(**options))
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
-
-
 @pytest.fixture(scope="module")
 def target():
-    return _load("target")  # the defaults: exact, repacked weights
+    return load_default_gguf("target")  # the defaults: exact, repacked weights
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return _load("draft")
+    return load_default_gguf("draft")
 
 
 @pytest.fixture(scope="module")

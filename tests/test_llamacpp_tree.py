@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from specdecode import SpeculativeGenerator
-from specdecode.errors import ModelNotFoundError
 from specdecode.proposers import DraftModelProposer, PromptLookupConfig, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.tree import tree_attention
 from specdecode.verify import greedy_verify_tree
+
+from conftest import load_default_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +29,14 @@ PARENTS = torch.tensor([0, 0, 1, 1, 3, 2])
 NODES = torch.tensor([500, 600, 700, 800, 900, 1000, 1100])
 
 
-def _load(role: str, **options):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.models.backends import load_llamacpp
-    from specdecode.models.llamacpp import LlamaCppOptions
-
-    try:
-        return load_llamacpp(None, role, LlamaCppOptions(**options))
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
-
-
 @pytest.fixture(scope="module")
 def target():
-    return _load("target")
+    return load_default_gguf("target")
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return _load("draft")
+    return load_default_gguf("draft")
 
 
 def _tree_inputs(cached: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.errors import ModelNotFoundError
+
+from conftest import load_default_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -27,23 +28,12 @@ ATOL = 0.0  # nats: bit-identical (see the module docstring)
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 
-def _load(role: str):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.models.backends import load_llamacpp
-    from specdecode.models.llamacpp import LlamaCppOptions
-
-    try:
-        return load_llamacpp(None, role, LlamaCppOptions())  # the defaults: exact
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
-
-
 @pytest.fixture(scope="module")
 def pair():
     from specdecode.models.backends import load_llamacpp_tokenizer
 
-    target = _load("target")
-    return target, _load("draft"), load_llamacpp_tokenizer(target)
+    target = load_default_gguf("target")
+    return target, load_default_gguf("draft"), load_llamacpp_tokenizer(target)
 
 
 def rescored(target, prompt: list[int], emitted: list[int]) -> torch.Tensor:

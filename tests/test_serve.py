@@ -18,22 +18,16 @@ from specdecode.commands.main import main
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.server import BackgroundServer, build_app
 
-from conftest import make_tiny_model, perturbed_copy
+from conftest import make_tiny_model
 from reference import target_only_greedy
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "The quick brown fox", "class Stack:", "def is_prime(n):"]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_tokenizer):
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    return target, perturbed_copy(target, noise=0.01)
-
-
-@pytest.fixture(scope="module")
-def long_target(models):
+def long_target(chat_models):
     """The target with a long context, so that a generation can outlast a disconnect or a timeout."""
-    model = copy.deepcopy(models[0])
+    model = copy.deepcopy(chat_models[0])
     model.config.max_position_embeddings = 8192  # rotary positions: any length works
     return model
 
@@ -65,17 +59,17 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(models, tiny_tokenizer, tmp_path_factory):
+def server(chat_models, tiny_tokenizer, tmp_path_factory):
     audit = tmp_path_factory.mktemp("audit") / "main.jsonl"
-    target, draft = models
+    target, draft = chat_models
     with Server(target, tiny_tokenizer, draft, speculation="on", max_batch_size=4, audit_log=str(audit)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def adaptive(models, tiny_tokenizer):
+def adaptive(chat_models, tiny_tokenizer):
     """Adaptive speculation with the cost model measured at start-up."""
-    target, draft = models
+    target, draft = chat_models
     with Server(target, tiny_tokenizer, draft, speculation="adaptive", max_batch_size=4) as s:
         yield s
 
@@ -104,9 +98,9 @@ def small(long_target, tiny_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def plain(models, tiny_tokenizer):
+def plain(chat_models, tiny_tokenizer):
     """No draft and no default proposer: the target alone unless a request names a proposer."""
-    with Server(models[0], tiny_tokenizer, proposer=None, speculation="on", max_batch_size=2) as s:
+    with Server(chat_models[0], tiny_tokenizer, proposer=None, speculation="on", max_batch_size=2) as s:
         yield s
 
 
@@ -131,7 +125,7 @@ def test_models_health_and_metrics(server) -> None:
         assert name in text
 
 
-def test_completion_equals_target_only_greedy(server, models, tiny_tokenizer) -> None:
+def test_completion_equals_target_only_greedy(server, chat_models, tiny_tokenizer) -> None:
     ids = tiny_tokenizer.encode(PROMPTS[0])
     out = server.client().completions.create(
         model="tiny",
@@ -141,7 +135,7 @@ def test_completion_equals_target_only_greedy(server, models, tiny_tokenizer) ->
         extra_body={"return_token_ids": True, "num_speculative_tokens": 3},
     )
     choice = out.choices[0]
-    assert extra(choice, "token_ids") == greedy_reference(models[0], tiny_tokenizer, ids, 24)
+    assert extra(choice, "token_ids") == greedy_reference(chat_models[0], tiny_tokenizer, ids, 24)
     assert choice.text == tiny_tokenizer.decode(extra(choice, "token_ids"), skip_special_tokens=True)
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(extra(choice, "token_ids"))
     spec = extra(out, "speculative")
@@ -216,7 +210,7 @@ def test_sampling_with_a_seed_is_reproducible(server) -> None:
 
 
 # ---------------------------------------------------------------------------------- batching
-def test_concurrent_requests_equal_each_request_alone(adaptive, models, tiny_tokenizer) -> None:
+def test_concurrent_requests_equal_each_request_alone(adaptive, chat_models, tiny_tokenizer) -> None:
     client = adaptive.client()
     jobs = [(p, 10 + 4 * i, 1 + i % 4) for i, p in enumerate(PROMPTS + PROMPTS[:3])]
     start = threading.Barrier(len(jobs))
@@ -238,14 +232,14 @@ def test_concurrent_requests_equal_each_request_alone(adaptive, models, tiny_tok
         together = list(pool.map(ask, jobs))
     for job, tokens in zip(jobs, together, strict=True):
         assert tokens == ask(job, speculative=False, wait=False)
-        assert tokens == greedy_reference(models[0], tiny_tokenizer, tiny_tokenizer.encode(job[0]), job[1])
+        assert tokens == greedy_reference(chat_models[0], tiny_tokenizer, tiny_tokenizer.encode(job[0]), job[1])
     assert adaptive.metric("specdecode_batch_size_count") > 0
     assert adaptive.scheduler.cost is not None and adaptive.scheduler.cost.target_s[0][0] > 0
 
 
-def test_per_request_speculation_mode_on_an_adaptive_server(adaptive, models, tiny_tokenizer) -> None:
+def test_per_request_speculation_mode_on_an_adaptive_server(adaptive, chat_models, tiny_tokenizer) -> None:
     ids = tiny_tokenizer.encode(PROMPTS[2])
-    want = greedy_reference(models[0], tiny_tokenizer, ids, 16)
+    want = greedy_reference(chat_models[0], tiny_tokenizer, ids, 16)
     for mode in ("on", "off", "adaptive"):
         out = adaptive.client().completions.create(
             model="tiny",
@@ -263,9 +257,9 @@ def test_per_request_speculation_mode_on_an_adaptive_server(adaptive, models, ti
             assert spec["draft_tokens"] == 0
 
 
-def test_a_server_without_a_proposer(plain, models, tiny_tokenizer) -> None:
+def test_a_server_without_a_proposer(plain, chat_models, tiny_tokenizer) -> None:
     ids = tiny_tokenizer.encode(PROMPTS[3])
-    want = greedy_reference(models[0], tiny_tokenizer, ids, 8)
+    want = greedy_reference(chat_models[0], tiny_tokenizer, ids, 8)
     body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     out = httpx.post(plain.url + "/v1/completions", json=body).json()
     assert out["choices"][0]["token_ids"] == want

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.errors import ModelNotFoundError
 from specdecode.serve.server import BackgroundServer, build_app
 from test_serve import Server, extra, wait_for
+
+from conftest import load_default_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -39,14 +40,9 @@ MODEL = "Qwen2.5-Coder-1.5B-Instruct"
 
 
 def _load(**options):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
-    from specdecode.models.llamacpp import LlamaCppOptions
+    from specdecode.models.backends import load_llamacpp_tokenizer
 
-    try:
-        model = load_llamacpp(None, "target", LlamaCppOptions(**options))
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
+    model = load_default_gguf("target", **options)
     return model, load_llamacpp_tokenizer(model)
 
 

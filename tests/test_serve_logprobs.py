@@ -23,21 +23,13 @@ from specdecode.serve.config import ServeSettings
 from specdecode.serve.logprobs import token_bytes
 from specdecode.serve.server import BackgroundServer, build_app
 
-from conftest import make_tiny_model, perturbed_copy
-
 ATOL = 1e-4  # nats; see the module docstring
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_tokenizer):
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    return target, perturbed_copy(target, noise=0.01)
-
-
-@pytest.fixture(scope="module")
-def server(models, tiny_tokenizer):
-    target, draft = models
+def server(chat_models, tiny_tokenizer):
+    target, draft = chat_models
     settings = ServeSettings(model_name="tiny", speculation="on", max_batch_size=4)
     app, _ = build_app(target, tiny_tokenizer, settings, draft=draft)
     with BackgroundServer(app) as background:
@@ -92,7 +84,7 @@ def check_completion(logprobs: dict, ids: list[int], ref: torch.Tensor, n: int, 
 
 @pytest.mark.parametrize("options", [{}, {"speculative": False}], ids=["speculative", "target-only"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_chat_logprobs_equal_rescoring(server, models, tiny_tokenizer, options, temperature) -> None:
+def test_chat_logprobs_equal_rescoring(server, chat_models, tiny_tokenizer, options, temperature) -> None:
     extra = {"return_token_ids": True, "top_k": 5, **options}
     out = client(server).chat.completions.create(
         model="tiny",
@@ -107,7 +99,7 @@ def test_chat_logprobs_equal_rescoring(server, models, tiny_tokenizer, options, 
     choice = out.choices[0]
     ids = choice.model_extra["token_ids"]
     content = [c.model_dump() for c in choice.logprobs.content]  # parsed by the official client
-    check_chat(content, ids, rescored(models[0], chat_prompt(tiny_tokenizer), ids), 4, tiny_tokenizer)
+    check_chat(content, ids, rescored(chat_models[0], chat_prompt(tiny_tokenizer), ids), 4, tiny_tokenizer)
     if not options:
         assert out.model_extra["speculative"]["draft_tokens"] > 0
     plain = client(server).chat.completions.create(
@@ -116,12 +108,12 @@ def test_chat_logprobs_equal_rescoring(server, models, tiny_tokenizer, options, 
     assert plain.choices[0].model_extra["token_ids"] == ids and plain.choices[0].logprobs is None
 
 
-def test_chat_logprobs_without_top_logprobs_and_streamed(server, models, tiny_tokenizer) -> None:
+def test_chat_logprobs_without_top_logprobs_and_streamed(server, chat_models, tiny_tokenizer) -> None:
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 14, "temperature": 0, "logprobs": True}
     whole = httpx.post(server + "/v1/chat/completions", json={**body, "return_token_ids": True}, timeout=120).json()
     ids = whole["choices"][0]["token_ids"]
     content = whole["choices"][0]["logprobs"]["content"]
-    check_chat(content, ids, rescored(models[0], chat_prompt(tiny_tokenizer), ids), 0, tiny_tokenizer)
+    check_chat(content, ids, rescored(chat_models[0], chat_prompt(tiny_tokenizer), ids), 0, tiny_tokenizer)
     streamed: list[dict] = []
     with httpx.stream("POST", server + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
@@ -135,7 +127,7 @@ def test_chat_logprobs_without_top_logprobs_and_streamed(server, models, tiny_to
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_logprobs_equal_rescoring(server, models, tiny_tokenizer, stream) -> None:
+def test_completion_logprobs_equal_rescoring(server, chat_models, tiny_tokenizer, stream) -> None:
     prompt = "for i in range(10):"
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 15, "temperature": 0, "logprobs": 3}
     whole = httpx.post(server + "/v1/completions", json={**body, "return_token_ids": True}, timeout=120).json()
@@ -145,11 +137,11 @@ def test_completion_logprobs_equal_rescoring(server, models, tiny_tokenizer, str
         pieces = list(client(server).completions.create(**body, stream=True))
         parts = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
         logprobs = {key: sum((getattr(p, key) for p in parts), []) for key in logprobs}
-    ref = rescored(models[0], tiny_tokenizer.encode(prompt, add_special_tokens=True), ids)
+    ref = rescored(chat_models[0], tiny_tokenizer.encode(prompt, add_special_tokens=True), ids)
     check_completion(logprobs, ids, ref, 3, tiny_tokenizer)
 
 
-def test_concurrent_requests_in_one_batch_each_equal_rescoring(server, models, tiny_tokenizer) -> None:
+def test_concurrent_requests_in_one_batch_each_equal_rescoring(server, chat_models, tiny_tokenizer) -> None:
     prompts = ["def is_prime(n):", "class Stack:", "The quick brown fox", "def add(a, b):"]
 
     def ask(i: int) -> dict:
@@ -161,7 +153,7 @@ def test_concurrent_requests_in_one_batch_each_equal_rescoring(server, models, t
         outs = list(pool.map(ask, range(4)))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = out["choices"][0]["token_ids"]
-        ref = rescored(models[0], tiny_tokenizer.encode(prompt, add_special_tokens=True), ids)
+        ref = rescored(chat_models[0], tiny_tokenizer.encode(prompt, add_special_tokens=True), ids)
         check_completion(out["choices"][0]["logprobs"], ids, ref, 2, tiny_tokenizer)
 
 

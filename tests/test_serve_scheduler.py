@@ -17,7 +17,7 @@ from specdecode.serve.cost import CostModel
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 
-from conftest import make_tiny_model, perturbed_copy
+from conftest import make_tiny_model
 from reference import target_only_greedy
 
 FLAT = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]])  # memory-bound: speculation always pays
@@ -25,14 +25,8 @@ STEEP = CostModel([1, 8], [1, 9], [[1.0, 9.0], [8.0, 72.0]])  # compute-bound: i
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def models(tiny_tokenizer):
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    return target, perturbed_copy(target, noise=0.01)
-
-
-def make(models, tokenizer, cost: CostModel | None = FLAT, **options) -> Scheduler:
-    target, draft = models
+def make(chat_models, tokenizer, cost: CostModel | None = FLAT, **options) -> Scheduler:
+    target, draft = chat_models
     settings = ServeSettings(**{"model_name": "tiny", "max_batch_size": 4, "kv_budget_tokens": 4096, **options})
     cost = copy.deepcopy(cost)  # serving refines c_p in place: FLAT and STEEP stay as written
     scheduler = Scheduler(target, tokenizer, settings, draft=draft, cost=cost)
@@ -104,9 +98,9 @@ def prompts(tokenizer) -> list[list[int]]:
     ("speculation", "cost", "drafts"),
     [("on", None, True), ("adaptive", FLAT, True), ("adaptive", STEEP, False), ("off", None, False)],
 )
-def test_continuous_batching_is_exact(models, tiny_tokenizer, speculation, cost, drafts) -> None:
-    target, _ = models
-    scheduler = make(models, tiny_tokenizer, cost=cost, speculation=speculation)
+def test_continuous_batching_is_exact(chat_models, tiny_tokenizer, speculation, cost, drafts) -> None:
+    target, _ = chat_models
+    scheduler = make(chat_models, tiny_tokenizer, cost=cost, speculation=speculation)
     ps = prompts(tiny_tokenizer)
     first = [
         Client(ps[0], 30),
@@ -136,12 +130,12 @@ def test_continuous_batching_is_exact(models, tiny_tokenizer, speculation, cost,
     assert scheduler.reserved == 0 and scheduler.runner.num_rows == 0
 
 
-def test_a_request_may_ask_for_its_own_speculation_mode(models, tiny_tokenizer) -> None:
+def test_a_request_may_ask_for_its_own_speculation_mode(chat_models, tiny_tokenizer) -> None:
     """On an adaptive server whose cost model never drafts, a request with ``speculation="on"``
     drafts its k every step (exactly), its neighbours in the batch do not; requests cannot ask for
     a mode the server cannot run."""
-    target, _ = models
-    scheduler = make(models, tiny_tokenizer, cost=STEEP, speculation="adaptive")
+    target, _ = chat_models
+    scheduler = make(chat_models, tiny_tokenizer, cost=STEEP, speculation="adaptive")
     ps = prompts(tiny_tokenizer)
     on, adaptive, off = Client(ps[0], 20, speculation="on"), Client(ps[1], 20), Client(ps[2], 20, speculation="off")
     for c in (on, adaptive, off):
@@ -159,7 +153,7 @@ def test_a_request_may_ask_for_its_own_speculation_mode(models, tiny_tokenizer) 
         ("adaptive", {"on", "off", "adaptive", None}),
     ):
         server = make(
-            models, tiny_tokenizer, cost=STEEP if speculation == "adaptive" else None, speculation=speculation
+            chat_models, tiny_tokenizer, cost=STEEP if speculation == "adaptive" else None, speculation=speculation
         )
         for mode in ("on", "off", "adaptive", None):
             req = Client(ps[0], 5, speculation=mode).req
@@ -171,13 +165,13 @@ def test_a_request_may_ask_for_its_own_speculation_mode(models, tiny_tokenizer) 
                 assert error.value.param == "speculation"
 
 
-def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monkeypatch) -> None:
+def test_the_draft_cost_ignores_calls_that_catch_up(chat_models, tiny_tokenizer, monkeypatch) -> None:
     """c_p is refined only with calls right after the sequence's previous draft: not with its first
     call (the draft model prefills the prompt) nor with one after steps without a draft."""
     cost = CostModel([1, 8], [1, 9], [[1.0, 1.0], [1.0, 1.0]], {"draft_model": 0.01})
     observed: list[int] = []
     behind: list[int] = []
-    scheduler = make(models, tiny_tokenizer, cost=cost, speculation="on")
+    scheduler = make(chat_models, tiny_tokenizer, cost=cost, speculation="on")
     monkeypatch.setattr(scheduler.cost, "observe_draft", lambda name, seconds, tokens: observed.append(tokens))
     monkeypatch.setattr(scheduler.cost, "observe_catchup", lambda name, seconds, tokens, n: behind.append(n))
     client = Client(prompts(tiny_tokenizer)[0], 30, ignore_eos=True)
@@ -200,8 +194,8 @@ def test_the_draft_cost_ignores_calls_that_catch_up(models, tiny_tokenizer, monk
     assert len(behind) == 2 and behind[1] > 3 + 1  # after the gap: more than one step's tokens
 
 
-def test_sampled_output_does_not_depend_on_the_batch(models, tiny_tokenizer) -> None:
-    scheduler = make(models, tiny_tokenizer, speculation="on")
+def test_sampled_output_does_not_depend_on_the_batch(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer, speculation="on")
     ps = prompts(tiny_tokenizer)
     alone = Client(ps[0], 20, temperature=0.8, seed=7)
     scheduler.submit(alone.req)
@@ -215,8 +209,8 @@ def test_sampled_output_does_not_depend_on_the_batch(models, tiny_tokenizer) -> 
     assert len(set(map(tuple, [c.tokens for c in crowd]))) == len(crowd)
 
 
-def test_stop_string_ends_the_text_before_it(models, tiny_tokenizer) -> None:
-    scheduler = make(models, tiny_tokenizer, speculation="on")
+def test_stop_string_ends_the_text_before_it(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer, speculation="on")
     prompt = prompts(tiny_tokenizer)[3]
     full = Client(prompt, 30)
     scheduler.submit(full.req)
@@ -231,8 +225,8 @@ def test_stop_string_ends_the_text_before_it(models, tiny_tokenizer) -> None:
     assert cut.final.finish_reason == "stop"
 
 
-def test_abort_frees_the_row_and_the_reservation(models, tiny_tokenizer) -> None:
-    scheduler = make(models, tiny_tokenizer)
+def test_abort_frees_the_row_and_the_reservation(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer)
     ps = prompts(tiny_tokenizer)
     long, short = Client(ps[0], 200), Client(ps[1], 5)
     scheduler.submit(long.req)
@@ -249,12 +243,12 @@ def test_abort_frees_the_row_and_the_reservation(models, tiny_tokenizer) -> None
     assert scheduler.reserved == 0
 
 
-def test_kv_budget_bounds_the_batch_and_the_queue_bounds_the_waiting(models, tiny_tokenizer) -> None:
+def test_kv_budget_bounds_the_batch_and_the_queue_bounds_the_waiting(chat_models, tiny_tokenizer) -> None:
     ps = prompts(tiny_tokenizer)
     clients = [Client(p, 10) for p in ps[:3]]
-    probe = make(models, tiny_tokenizer)
+    probe = make(chat_models, tiny_tokenizer)
     budget = probe.reservation(clients[0].req) + probe.reservation(clients[1].req)
-    scheduler = make(models, tiny_tokenizer, kv_budget_tokens=budget, max_queue=4)
+    scheduler = make(chat_models, tiny_tokenizer, kv_budget_tokens=budget, max_queue=4)
     for c in clients:
         scheduler.submit(c.req)
     extra = Client(ps[3], 10)
@@ -267,21 +261,21 @@ def test_kv_budget_bounds_the_batch_and_the_queue_bounds_the_waiting(models, tin
     assert all(c.final.finish_reason in ("stop", "length") for c in clients + [extra])
 
 
-def test_timeout_ends_the_request(models, tiny_tokenizer) -> None:
-    scheduler = make(models, tiny_tokenizer)
+def test_timeout_ends_the_request(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer)
     c = Client(prompts(tiny_tokenizer)[0], 50, deadline=-math.inf)
     scheduler.submit(c.req)
     run(scheduler)
     assert c.final.finish_reason == "timeout" and "timeout" in c.final.error
 
 
-def test_a_proposer_that_fails_to_build_fails_its_request_only(models, tiny_tokenizer, monkeypatch) -> None:
+def test_a_proposer_that_fails_to_build_fails_its_request_only(chat_models, tiny_tokenizer, monkeypatch) -> None:
     import specdecode.serve.scheduler as module
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    scheduler = make(models, tiny_tokenizer)
+    scheduler = make(chat_models, tiny_tokenizer)
     monkeypatch.setattr(module, "make_proposer", broken)
     bad, good = Client(prompts(tiny_tokenizer)[0], 5), Client(prompts(tiny_tokenizer)[1], 5, speculative=False)
     scheduler.submit(bad.req)
@@ -292,8 +286,8 @@ def test_a_proposer_that_fails_to_build_fails_its_request_only(models, tiny_toke
     assert scheduler.reserved == 0
 
 
-def test_validation_names_the_field(models, tiny_tokenizer) -> None:
-    scheduler = make(models, tiny_tokenizer, kv_budget_tokens=64)
+def test_validation_names_the_field(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer, kv_budget_tokens=64)
     cases = [
         (Client([1] * 600, 5), "prompt"),
         (Client([], 5), "prompt"),
@@ -307,9 +301,9 @@ def test_validation_names_the_field(models, tiny_tokenizer) -> None:
         assert info.value.param == param
 
 
-def test_drafts_and_verification_use_the_row_generators(models, tiny_tokenizer) -> None:
+def test_drafts_and_verification_use_the_row_generators(chat_models, tiny_tokenizer) -> None:
     """Same seed, same k per step (speculation on): the same sample whatever the seed of others."""
-    scheduler = make(models, tiny_tokenizer, speculation="on")
+    scheduler = make(chat_models, tiny_tokenizer, speculation="on")
     p = prompts(tiny_tokenizer)[2]
     a, b = Client(p, 15, temperature=0.9, seed=3), Client(p, 15, temperature=0.9, seed=3)
     scheduler.submit(a.req)
@@ -321,9 +315,11 @@ def test_drafts_and_verification_use_the_row_generators(models, tiny_tokenizer) 
     assert torch.tensor(a.tokens).numel() > 0
 
 
-def test_a_proposer_that_fails_mid_generation_is_dropped_and_the_output_stays_exact(models, tiny_tokenizer) -> None:
-    target, _ = models
-    scheduler = make(models, tiny_tokenizer, speculation="on")
+def test_a_proposer_that_fails_mid_generation_is_dropped_and_the_output_stays_exact(
+    chat_models, tiny_tokenizer
+) -> None:
+    target, _ = chat_models
+    scheduler = make(chat_models, tiny_tokenizer, speculation="on")
     c = Client(prompts(tiny_tokenizer)[0], 20)
     scheduler.submit(c.req)
     scheduler.run_once()
@@ -338,12 +334,14 @@ def test_a_proposer_that_fails_mid_generation_is_dropped_and_the_output_stays_ex
     assert spec["enabled"] is True and "draft exploded" in spec["proposer_error"]
 
 
-def test_prefill_in_groups_with_requests_that_end_at_their_first_token(models, tiny_tokenizer, monkeypatch) -> None:
+def test_prefill_in_groups_with_requests_that_end_at_their_first_token(
+    chat_models, tiny_tokenizer, monkeypatch
+) -> None:
     import specdecode.serve.scheduler as module
 
     monkeypatch.setattr(module, "MAX_PREFILL_TOKENS", 12)  # every prompt its own group
-    target, _ = models
-    scheduler = make(models, tiny_tokenizer)
+    target, _ = chat_models
+    scheduler = make(chat_models, tiny_tokenizer)
     clients = [Client(p, n) for p, n in zip(prompts(tiny_tokenizer), [1, 6, 1, 9], strict=False)]
     for c in clients:
         scheduler.submit(c.req)
@@ -354,8 +352,8 @@ def test_prefill_in_groups_with_requests_that_end_at_their_first_token(models, t
         assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
 
 
-def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(models, tiny_tokenizer) -> None:
-    target, _ = models
+def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(chat_models, tiny_tokenizer) -> None:
+    target, _ = chat_models
     foreign = make_tiny_model(vocab_size=len(tiny_tokenizer) + 7, seed=3)  # another vocabulary size
     settings = ServeSettings(model_name="tiny", max_batch_size=2, kv_budget_tokens=1024, proposer=None)
     scheduler = Scheduler(target, tiny_tokenizer, settings, draft=foreign, cost=copy.deepcopy(FLAT))
@@ -366,7 +364,7 @@ def test_a_draft_with_another_vocabulary_only_drafts_through_cross_tokenizer(mod
     assert info.value.param == "proposer"
 
 
-def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:
+def test_trained_drafters_read_the_batched_targets_features(chat_models, tiny_tokenizer, tmp_path, monkeypatch) -> None:
     """Medusa (from the target's default drafter folder) and EAGLE (the server's ``drafter`` option)
     next to draft_model and plain requests in one batch: greedy output equals target-only decoding,
     and each drafter accepts exactly as many tokens as it does alone in the engine, which reads the
@@ -378,12 +376,16 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
     from test_drafters import distill, make_drafter
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    target, _ = models
+    target, _ = chat_models
     folders = {"medusa": default_drafter_dir("medusa", target), "eagle": tmp_path / "eagle"}
     for kind, folder in folders.items():
         save_drafter(distill(make_drafter(kind, target, seed=1), target, steps=30), folder)
     scheduler = make(  # "on": every row drafts its k every step, as the engine's constant schedule does
-        models, tiny_tokenizer, proposer="eagle", proposer_options={"drafter": str(folders["eagle"])}, speculation="on"
+        chat_models,
+        tiny_tokenizer,
+        proposer="eagle",
+        proposer_options={"drafter": str(folders["eagle"])},
+        speculation="on",
     )
     assert {"medusa", "eagle"} <= set(scheduler.proposers())
     kinds = ["eagle", "medusa", "draft_model", None, "eagle"]
@@ -416,7 +418,7 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
     # EAGLE behind prompt lookup, as the server's default proposer: the same tokens and acceptances as alone
     options = {"drafter": str(folders["eagle"]), "prompt_lookup_min": 2}
     assert measure_draft_cost(make_proposer("eagle", target=target, **options), target.config.vocab_size, 3) > 0
-    scheduler = make(models, tiny_tokenizer, proposer="eagle", proposer_options=options, speculation="on")
+    scheduler = make(chat_models, tiny_tokenizer, proposer="eagle", proposer_options=options, speculation="on")
     clients = [Client(p, 24, proposer="eagle", k=3, ignore_eos=True) for p in prompts(tiny_tokenizer)[:2]]
     for c in clients:
         scheduler.submit(c.req)
@@ -432,22 +434,24 @@ def test_trained_drafters_read_the_batched_targets_features(models, tiny_tokeniz
         assert c.final.summary["speculative"]["accepted_tokens"] == result.stats.accepted_tokens
 
 
-def test_feature_proposers_without_a_drafter_are_not_offered(models, tiny_tokenizer, tmp_path, monkeypatch) -> None:
+def test_feature_proposers_without_a_drafter_are_not_offered(
+    chat_models, tiny_tokenizer, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "empty"))
-    scheduler = make(models, tiny_tokenizer)
+    scheduler = make(chat_models, tiny_tokenizer)
     assert "medusa" not in scheduler.proposers() and "eagle" not in scheduler.proposers()
     with pytest.raises(InvalidRequestError, match="train-drafter --kind eagle") as info:
         scheduler.check_proposer("eagle")
     assert info.value.param == "proposer"
     with pytest.raises(InvalidRequestError, match="train-drafter --kind medusa"):
-        make(models, tiny_tokenizer, proposer="medusa")
+        make(chat_models, tiny_tokenizer, proposer="medusa")
 
 
-def test_prefill_groups_similar_lengths_and_avoids_padding(models, tiny_tokenizer, monkeypatch) -> None:
+def test_prefill_groups_similar_lengths_and_avoids_padding(chat_models, tiny_tokenizer, monkeypatch) -> None:
     """Admitted together, prompts of 3, 40, 4 and 38 tokens are prefilled as [3, 4] and [38, 40]
     (sorted by length; one pass over all four would be 75% padding), and decode as they would alone."""
-    target, _ = models
-    scheduler = make(models, tiny_tokenizer)
+    target, _ = chat_models
+    scheduler = make(chat_models, tiny_tokenizer)
     passes: list[list[int]] = []
     forward = scheduler.runner.forward
 

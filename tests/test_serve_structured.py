@@ -18,8 +18,6 @@ from specdecode.constraints import JsonSchema
 from specdecode.serve.structured import chat_template_messages, parse_tool_calls, tool_mode
 from test_serve import Server
 
-from conftest import make_tiny_model, perturbed_copy
-
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 6}, "size": {"type": "integer", "maximum": 999}},
@@ -51,19 +49,13 @@ MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_tokenizer):
-    target = make_tiny_model(vocab_size=len(tiny_tokenizer), seed=0)
-    return target, perturbed_copy(target, noise=0.01)
-
-
-@pytest.fixture(scope="module")
-def server(models, tiny_tokenizer):
-    target, draft = models
+def server(chat_models, tiny_tokenizer):
+    target, draft = chat_models
     with Server(target, tiny_tokenizer, draft, speculation="on", max_batch_size=4) as s:
         yield s
 
 
-def test_json_schema_response_equals_constrained_generate(server, models, tiny_tokenizer) -> None:
+def test_json_schema_response_equals_constrained_generate(server, chat_models, tiny_tokenizer) -> None:
     """Greedy ``json_schema``: the content validates and equals the library's constrained generate
     (target alone); with speculation, so the server decodes exactly under the constraint."""
     out = server.client().chat.completions.create(
@@ -76,7 +68,7 @@ def test_json_schema_response_equals_constrained_generate(server, models, tiny_t
     content = out.choices[0].message.content
     jsonschema.validate(json.loads(content), SCHEMA)
     assert out.choices[0].finish_reason == "stop"
-    reference = SpeculativeGenerator(models[0], tokenizer=tiny_tokenizer).generate(
+    reference = SpeculativeGenerator(chat_models[0], tokenizer=tiny_tokenizer).generate(
         MESSAGES[0]["content"], SamplingParams(max_new_tokens=80), speculative=False, constraint=JsonSchema(SCHEMA)
     )
     assert content == reference.text
@@ -198,11 +190,11 @@ TOOL_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tool_server(models, tiny_tokenizer):
+def tool_server(chat_models, tiny_tokenizer):
     """The tiny pair behind a tokenizer whose chat template renders tool calls and results."""
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = TOOL_TEMPLATE
-    target, draft = models
+    target, draft = chat_models
     with Server(target, tokenizer, draft, speculation="on", max_batch_size=4) as s:
         yield s, tokenizer
 

@@ -16,8 +16,9 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.constraints import JsonSchema
-from specdecode.errors import ModelNotFoundError
 from test_serve import Server
+
+from conftest import load_default_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +39,9 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def target():
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
-    from specdecode.models.llamacpp import LlamaCppOptions
+    from specdecode.models.backends import load_llamacpp_tokenizer
 
-    try:
-        model = load_llamacpp(None, "target", LlamaCppOptions(threads=2))  # exact mode: the default
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
+    model = load_default_gguf("target", threads=2)  # exact mode: the default
     return model, load_llamacpp_tokenizer(model)
 
 
@@ -129,15 +125,10 @@ def test_constrained_tree_with_forced_chains_equals_constrained_target_only(targ
     """Token trees of the draft model under the schema on llama.cpp (the depth-first walk over every
     node): branches cut by the grammar, forced tokens added as chains, and the output still token for
     token constrained target-only decoding."""
-    from specdecode.models.backends import load_llamacpp
-    from specdecode.models.llamacpp import LlamaCppOptions
     from specdecode.proposers import make_proposer
 
     model, tokenizer = target
-    try:
-        draft = load_llamacpp(None, "draft", LlamaCppOptions(threads=2))
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
+    draft = load_default_gguf("draft", threads=2)
     spec = SpeculativeGenerator(
         model, tokenizer=tokenizer, proposer=make_proposer("draft_model", draft=draft, target=model)
     )

@@ -178,10 +178,8 @@ class DecodeState:
         self.stats.observe(num_drafted, result.num_accepted, depth=depth)
         if self.constraint is not None:  # grammar-aware drafting's counters
             c = self.constraint
-            self.stats.forced_draft_tokens, self.stats.forced_accepted_tokens = (
-                c.forced_draft_tokens,
-                c.forced_accepted_tokens,
-            )
+            self.stats.forced_draft_tokens = c.forced_draft_tokens
+            self.stats.forced_accepted_tokens = c.forced_accepted_tokens
             self.stats.cut_draft_tokens = c.cut_draft_tokens
 
     def append(self, tokens: torch.Tensor | list[int], logits: torch.Tensor | None = None) -> tuple[list[int], str]:
