@@ -79,8 +79,8 @@ def test_truncate_then_decode_equals_the_same_passes_without_rollback(target) ->
 @pytest.mark.parametrize("cached", [20, 300, 600])
 def test_passes_up_to_invariant_tokens_are_bit_identical_to_one_token_passes(target, cached) -> None:
     """The property exact mode rests on, on this build and this CPU, and the split above it; after
-    300 and 600 cached tokens too (llama.cpp's flash attention, which exact mode turns off, sums a
-    one-token pass over 512+ cached tokens in per-thread chunks: this fails with it on)."""
+    300 and 600 cached tokens too (llama.cpp's flash attention sums a one-token pass over 512+ cached
+    tokens in per-thread chunks: exact mode runs such passes on ggml's reference kernels, below)."""
     runner = target.make_runner(n_ctx=1024)
     runner.forward(IDS[:cached])
     singles = torch.cat([runner.forward(IDS[cached + i : cached + i + 1]) for i in range(12)])  # (12, V)
@@ -94,6 +94,43 @@ def test_passes_up_to_invariant_tokens_are_bit_identical_to_one_token_passes(tar
     split = runner.forward(IDS[cached : cached + 12], num_logits=12)  # exact: chunks of n_inv
     assert runner.passes - before == -(-12 // n_inv)
     assert torch.equal(split, singles)
+
+
+def _two_token_pass_matches_one_token_passes(runner, cached: int) -> bool:
+    runner.forward(IDS[:cached])
+    singles = torch.cat([runner.forward(IDS[cached + i : cached + i + 1]) for i in range(2)])
+    runner.truncate(cached)
+    return torch.equal(runner.forward(IDS[cached : cached + 2], num_logits=2), singles)
+
+
+def test_exact_mode_runs_flash_attention_on_reference_kernels_for_short_passes_only(target) -> None:
+    """Exact mode keeps llama.cpp's flash attention on and switches ggml's CPU reference kernels on
+    for passes of at most ``invariant_tokens`` tokens (``models/llamacpp_kernels.py``); a prefill runs
+    the fast kernels. The switch is what makes the invariance test above pass after 600 cached
+    tokens: held off, llama.cpp sums a one-token pass over 512+ cells in per-thread chunks and the
+    2-token pass rounds differently (if a llama.cpp update changes that, re-measure and update
+    docs/llamacpp.md)."""
+    runner = target.make_runner(n_ctx=1024)
+    kernels = runner.reference_kernels
+    assert kernels is not None, "setup.sh's CPU build offers ggml_backend_cpu_set_use_ref"
+    runner.forward(IDS[:600])
+    assert not kernels.on  # the prefill: the fast (tiled, split) kernels
+    runner.forward(IDS[600:601])
+    assert kernels.on
+    held_off = target.make_runner(n_ctx=1024)
+    held_off.reference_kernels = None  # flash attention on, llama.cpp's own kernels throughout
+    assert not _two_token_pass_matches_one_token_passes(held_off, 600)
+
+
+def test_without_the_switch_exact_mode_turns_flash_attention_off(target, monkeypatch) -> None:
+    """A llama.cpp build without the switch: exact mode falls back to flash attention off (the
+    runner then has no switch) and passes stay invariant past 512 cached tokens."""
+    import specdecode.models.llamacpp_kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "reference_kernels", lambda *args: None)
+    runner = target.make_runner(n_ctx=1024)
+    assert runner.reference_kernels is None
+    assert _two_token_pass_matches_one_token_passes(runner, 600)
 
 
 def test_fast_mode_verifies_in_one_pass(target) -> None:

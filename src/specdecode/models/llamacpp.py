@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from specdecode.models.llamacpp_kernels import ReferenceKernels
     from specdecode.models.llamacpp_tree import TreeCache
 
 INVARIANT_TOKENS = {False: 7, True: 3}
@@ -84,9 +85,12 @@ class LlamaCppOptions:
         exact: batch-invariant verification (see the module docstring): verification passes split
             into chunks of at most ``invariant_tokens``.
         repack: let llama.cpp repack the weights for its fastest CPU kernels (``use_extra_bufts``).
-        flash_attn: llama.cpp's flash attention; None: off when ``exact`` (its CPU kernel sums a
-            one-token pass over 512+ cached tokens in per-thread chunks, and 8+ query rows in tiles,
-            so passes of different sizes round differently), llama.cpp's own choice otherwise.
+        flash_attn: llama.cpp's flash attention; None: with ``exact``, on, with ggml's CPU
+            reference kernels for the passes of at most ``invariant_tokens`` tokens
+            (:mod:`specdecode.models.llamacpp_kernels`: its fast CPU kernel sums a one-token pass
+            over 512+ cached tokens in per-thread chunks, so passes of different sizes round
+            differently), or off where this llama.cpp build has no such switch (or runs on a GPU);
+            llama.cpp's own choice without ``exact``.
         invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for ``repack``.
         gpu_layers: layers offloaded to a GPU where llama.cpp was built with one (-1: all); 0 on a
             CPU-only build.
@@ -187,15 +191,37 @@ class LlamaCppModel:
             self._model = None
 
 
-def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> Any:
+def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> tuple[Any, ReferenceKernels | None]:
     """A llama.cpp context (its own KV cache) on ``model`` with ``model.options``: ``n_ctx`` cells
     (cut to the training context), ``n_seq_max`` sequences each in its own KV stream
     (``kv_unified`` off: a sequence's cells and attention never depend on another's), flash
     attention as :attr:`LlamaCppOptions.flash_attn` says.
 
+    Returns:
+        ``(ctx, kernels)``: the context, and in exact mode with flash attention on its CPU
+        backend's reference-kernel switch (:mod:`specdecode.models.llamacpp_kernels`), to be set
+        before every pass (:func:`decode_batch` does); else None.
+
     Raises:
         ValueError: llama.cpp cannot create the context.
     """
+    from specdecode.models.llamacpp_kernels import reference_kernels
+
+    options = model.options
+    flash = options.flash_attn if options.flash_attn is not None else (True if options.exact else None)
+    ctx = _make_context(model, n_ctx, n_seq_max, flash)
+    if not options.exact or flash is not True:
+        return ctx, None
+    kernels = reference_kernels(_lib(), ctx, options.invariant_tokens)  # type: ignore[arg-type]
+    if kernels is None and options.flash_attn is None:  # no switch here: flash attention off, as before
+        _lib().llama_free(ctx)
+        return _make_context(model, n_ctx, n_seq_max, False), None
+    return ctx, kernels
+
+
+def _make_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int, flash: bool | None) -> Any:
+    """``llama_init_from_model`` with the parameters :func:`new_context` describes (``flash`` None:
+    llama.cpp's choice)."""
     lib = _lib()
     options = model.options
     params = lib.llama_context_default_params()
@@ -204,7 +230,6 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> Any:
     params.n_seq_max = n_seq_max
     params.kv_unified = False
     params.n_threads = params.n_threads_batch = options.n_threads
-    flash = options.flash_attn if options.flash_attn is not None else (False if options.exact else None)
     params.flash_attn_type = {
         None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
         False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
@@ -218,10 +243,18 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> Any:
 
 
 def decode_batch(
-    lib: Any, ctx: Any, batch: Any, tokens: list[int], positions: list[int], seq_ids: list[int], scored: list[bool]
+    lib: Any,
+    ctx: Any,
+    batch: Any,
+    tokens: list[int],
+    positions: list[int],
+    seq_ids: list[int],
+    scored: list[bool],
+    kernels: ReferenceKernels | None = None,
 ) -> None:
     """Fill ``batch`` (from ``llama_batch_init``) with one token per entry: id, position, its one
-    sequence id and whether to score it; then one ``llama_decode`` on ``ctx``.
+    sequence id and whether to score it; set ``kernels`` (the context's reference-kernel switch,
+    from :func:`new_context`) for a pass of that many tokens; then one ``llama_decode`` on ``ctx``.
 
     Raises:
         RuntimeError: ``llama_decode`` failed (the status and the token count are named).
@@ -233,6 +266,8 @@ def decode_batch(
         batch.seq_id[j][0] = seq_ids[j]
         batch.logits[j] = scored[j]
     batch.n_tokens = len(tokens)
+    if kernels is not None:
+        kernels.before_pass(len(tokens))
     status = lib.llama_decode(ctx, batch)
     if status != 0:
         raise RuntimeError(f"llama_decode failed with status {status} ({len(tokens)} tokens at {positions[0]}..)")
@@ -262,6 +297,10 @@ class LlamaCppRunner:
         model: the loaded model.
         n_ctx: KV-cache size (default: the model's options).
 
+    Attributes:
+        reference_kernels: the context's reference-kernel switch in exact mode with flash attention
+            on (:mod:`specdecode.models.llamacpp_kernels`), else None.
+
     Raises:
         ValueError: llama.cpp cannot create the context.
     """
@@ -272,7 +311,7 @@ class LlamaCppRunner:
         lib = _lib()
         self.model = model
         options = model.options
-        self._ctx = new_context(model, n_ctx or options.n_ctx, n_seq_max=1)
+        self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx, n_seq_max=1)
         self._n_ctx = int(lib.llama_n_ctx(self._ctx))
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
@@ -401,7 +440,8 @@ class LlamaCppRunner:
         n = len(ids)
         first = self.length if start is None else start
         outputs_asked = [True] * n if hidden is not None else scored  # embeddings on: llama.cpp outputs every token
-        decode_batch(lib, self._ctx, self._batch, ids, list(range(first, first + n)), [0] * n, outputs_asked)
+        positions = list(range(first, first + n))
+        decode_batch(lib, self._ctx, self._batch, ids, positions, [0] * n, outputs_asked, self.reference_kernels)
         if start is None:
             self.length += n
         self.passes += 1

@@ -94,6 +94,10 @@ class LlamaCppBatchedRunner:
         n_ctx: KV cells of the whole context (default: ``options.n_ctx`` per row); each row may hold
             ``n_ctx // max_rows`` tokens (:attr:`max_length`).
 
+    Attributes:
+        reference_kernels: the reference-kernel switch in exact mode (as
+            :attr:`~specdecode.models.llamacpp.LlamaCppRunner.reference_kernels`), else None.
+
     Raises:
         ValueError: ``max_rows`` < 1, or llama.cpp cannot create the context.
     """
@@ -109,7 +113,7 @@ class LlamaCppBatchedRunner:
         self.model = model
         self.max_rows = max_rows
         options = model.options
-        self._ctx = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
+        self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
         self._per_row = int(lib.llama_n_ctx(self._ctx)) // max_rows
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
@@ -286,6 +290,7 @@ class LlamaCppBatchedRunner:
             [self.lengths[row] + i for row, i, _ in entries],
             [self.seq_ids[row] for row, _, _ in entries],
             [scored for _, _, scored in entries],
+            self.reference_kernels,
         )
         self.passes += 1
         V = self.vocab_size
