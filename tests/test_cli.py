@@ -150,3 +150,36 @@ def test_every_help_fits_an_80_column_terminal(monkeypatch) -> None:
         (row,) = [i for i, line in enumerate(top) if line.split()[:1] == [name]]
         first = row if len(top[row].split()) > 1 else row + 1  # a name too long for its column: summary below
         assert not top[first + 1].startswith(" " * 24), f"{name}: its summary takes two lines"
+
+
+def test_the_top_level_help_imports_no_command_module() -> None:
+    """``specdecode --help`` lists the commands from the registry alone: no command module, torch or
+    transformers is imported (they cost seconds); a command's own parser comes with its name."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from specdecode.commands.main import build_parser\n"
+        "text = build_parser([]).format_help()\n"
+        "heavy = [m for m in ('torch', 'transformers', 'specdecode.commands.generate') if m in sys.modules]\n"
+        "print(heavy, 'train-drafter' in text)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] True"
+
+
+def test_the_registry_lists_every_command_as_its_parser_does() -> None:
+    import argparse
+
+    from specdecode.commands.main import build_parser
+    from specdecode.commands.registry import COMMANDS
+
+    full, lazy = build_parser(), build_parser(["generate"])
+    for parser in (full, lazy):
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        assert list(sub.choices) == list(COMMANDS)
+        assert [a.help for a in sub._choices_actions] == [c.summary for c in COMMANDS.values()]
+    (sub,) = [a for a in lazy._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sub.choices["generate"].get_default("func") is not None  # the command named: its own parser
+    assert sub.choices["bench"].get_default("func") is None  # the others: listed only

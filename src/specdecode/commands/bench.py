@@ -30,7 +30,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b = add_command_parser(
         subparsers,
         "bench",
-        "benchmark every method on the same prompts",
         "benchmark every method on the same prompts (Spec-Bench style)",
     )
     add_model_args(b)

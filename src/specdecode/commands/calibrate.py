@@ -30,7 +30,6 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     c = add_command_parser(
         subparsers,
         "calibrate-early-exit",
-        "measure exit layers of the target; save the fastest",
         "measure early-exit layers of the target on sample prompts; save the fastest",
     )
     c.add_argument("--target", help="target: HF model folder or .gguf file (default: Qwen2.5-Coder-1.5B-Instruct)")

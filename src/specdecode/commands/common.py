@@ -8,7 +8,7 @@ import re
 import textwrap
 from typing import Any
 
-DEFAULT_K = 4  # = proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS (not imported here: --help must not load torch)
+DEFAULT_K = 4  # = proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS (tested; not imported: this module loads no torch)
 # the proposers' own k, as the -k help of generate, serve and bench gives it
 PROPOSER_KS = f"{DEFAULT_K}; eagle and medusa 2; prompt_lookup 8; 8 behind prompt lookup"
 # the metavar of a proposer option: the field's metadata "metavar", else this table, else by type
@@ -35,18 +35,18 @@ class HelpFormatter(argparse.HelpFormatter):
         return "\n".join(self._wrap(text, width, indent))
 
 
-def add_command_parser(
-    subparsers: Any, name: str, summary: str, description: str | None = None
-) -> argparse.ArgumentParser:
+def add_command_parser(subparsers: Any, name: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand's parser, its help wrapped by :class:`HelpFormatter`.
 
     Args:
         subparsers: from ``ArgumentParser.add_subparsers``.
-        name: the command.
-        summary: its line in ``specdecode --help``: 54 characters at most keep it on one line of an
-            80-column terminal.
-        description: the opening of its own ``--help`` (default: ``summary``).
+        name: the command, a key of :data:`specdecode.commands.registry.COMMANDS` (which holds its
+            line in ``specdecode --help``).
+        description: the opening of its own ``--help`` (default: its summary).
     """
+    from specdecode.commands.registry import COMMANDS
+
+    summary = COMMANDS[name].summary
     return subparsers.add_parser(name, help=summary, description=description or summary, formatter_class=HelpFormatter)
 
 

@@ -24,7 +24,6 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = add_command_parser(
         subparsers,
         "generate",
-        "generate for one prompt: streamed text and statistics",
         "generate text for one prompt, streaming, with statistics",
     )
     g.add_argument("prompt", help="the prompt, in the chat template unless --raw")

@@ -6,22 +6,22 @@ Run as ``specdecode <command>`` or ``python -m specdecode.commands.main <command
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from specdecode.commands.bench import add_bench_parser
-from specdecode.commands.calibrate import add_calibrate_parser
 from specdecode.commands.common import HelpFormatter
-from specdecode.commands.generate import add_generate_parser
-from specdecode.commands.prepare import add_prepare_parser
-from specdecode.commands.serve import add_serve_parser
-from specdecode.commands.token_map import add_token_map_parser
-from specdecode.commands.train_drafter import add_train_parser
+from specdecode.commands.registry import COMMANDS
 from specdecode.errors import SpecDecodeError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``specdecode`` parser with every subcommand (each sets ``func``, its command function)."""
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``specdecode`` parser: every subcommand listed, each sets ``func``, its command function.
+
+    Args:
+        commands: the commands whose own parsers (options, ``func``) are built, importing their
+            modules; the others are listed with their summary only. None (default): all of them.
+    """
     parser = argparse.ArgumentParser(
         prog="specdecode",
         description="Lossless speculative decoding.",
@@ -29,13 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
-    add_generate_parser(sub)
-    add_prepare_parser(sub)
-    add_bench_parser(sub)
-    add_serve_parser(sub)
-    add_token_map_parser(sub)
-    add_calibrate_parser(sub)
-    add_train_parser(sub)
+    for name, command in COMMANDS.items():
+        if commands is None or name in commands:
+            getattr(importlib.import_module(command.module), command.add_parser)(sub)
+        else:
+            sub.add_parser(name, help=command.summary, add_help=False)
     return parser
 
 
@@ -46,7 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         the exit status: the command's (0), 2 for an error of the input (its message on stderr,
         ``specdecode <command>: error: ...``), 130 after Ctrl-C.
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # only the command named is built: `specdecode --help` imports no command's module
+    parser = build_parser(argv[:1] if argv and argv[0] in COMMANDS else [])
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -13,7 +13,6 @@ def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = add_command_parser(
         subparsers,
         "prepare",
-        "join, verify and convert the models into the cache",
         "join, verify and convert the default models (or those of --model) into the cache",
     )
     from specdecode.models.default import NAMED_MODELS

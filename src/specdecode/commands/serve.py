@@ -34,7 +34,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     s = add_command_parser(
         subparsers,
         "serve",
-        "serve an OpenAI-compatible API (batched speculation)",
         "serve an OpenAI-compatible API with batched speculative decoding",
     )
     add_model_args(s)

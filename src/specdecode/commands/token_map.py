@@ -28,7 +28,6 @@ def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = add_command_parser(
         subparsers,
         "build-token-map",
-        "build a map of the N most frequent target tokens",
         "build a token map: the N most frequent target tokens, for --token-map (FR-Spec)",
     )
     t.add_argument(

@@ -27,7 +27,6 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = add_command_parser(
         subparsers,
         "train-drafter",
-        "train Medusa heads or an EAGLE head for the target",
         "train Medusa heads or an EAGLE-style head for a target on its own features (self-distillation)",
     )
     p.add_argument(
