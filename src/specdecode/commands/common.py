@@ -8,6 +8,8 @@ import re
 import textwrap
 from typing import Any
 
+from specdecode.commands.registry import COMMANDS
+
 DEFAULT_K = 4  # = proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS (tested; not imported: this module loads no torch)
 # the proposers' own k, as the -k help of generate, serve and bench gives it
 PROPOSER_KS = f"{DEFAULT_K}; eagle and medusa 2; prompt_lookup 8; 8 behind prompt lookup"
@@ -44,8 +46,6 @@ def add_command_parser(subparsers: Any, name: str, description: str | None = Non
             line in ``specdecode --help``).
         description: the opening of its own ``--help`` (default: its summary).
     """
-    from specdecode.commands.registry import COMMANDS
-
     summary = COMMANDS[name].summary
     return subparsers.add_parser(name, help=summary, description=description or summary, formatter_class=HelpFormatter)
 

@@ -90,7 +90,8 @@ class LlamaCppOptions:
             (:mod:`specdecode.models.llamacpp_kernels`: its fast CPU kernel sums a one-token pass
             over 512+ cached tokens in per-thread chunks, so passes of different sizes round
             differently), or off where this llama.cpp build has no such switch (or runs on a GPU);
-            llama.cpp's own choice without ``exact``.
+            llama.cpp's own choice without ``exact``. True with ``exact`` where there is no switch:
+            on, and passes are then invariant only while fewer than 256 tokens are cached.
         invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for ``repack``.
         gpu_layers: layers offloaded to a GPU where llama.cpp was built with one (-1: all); 0 on a
             CPU-only build.

@@ -31,6 +31,7 @@ to flash attention off (the behaviour before). ``tests/test_llamacpp.py`` checks
 from __future__ import annotations
 
 import ctypes
+import functools
 import pathlib
 from typing import Any
 
@@ -65,8 +66,9 @@ class ReferenceKernels:
             self.on = want
 
 
+@functools.cache
 def _ggml_base() -> Any:
-    """``libggml-base`` next to llama-cpp-python's ``libllama`` (None if not found)."""
+    """``libggml-base`` next to llama-cpp-python's ``libllama`` (None if not found), loaded once."""
     import llama_cpp
     from llama_cpp._ctypes_extensions import load_shared_library
 
