@@ -95,7 +95,45 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(x, dim=-1)
 
 
+def draw_uniforms(n: int, generator: torch.Generator | None) -> list[float]:
+    """``n`` uniforms in ``[0, 1)`` (float64) from ``generator``, as Python floats.
+
+    The project's randomness lives on the CPU (docs/design.md §2b, "Device policy"): a request's
+    generator is a CPU ``torch.Generator`` whatever device the logits are on, so a seed gives the
+    same draws on every device. ``None``: torch's default CPU generator."""
+    return torch.rand(n, generator=generator, dtype=torch.float64).tolist()
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: float | torch.Tensor) -> torch.Tensor:
+    """The token of ``probs`` that a uniform picks: the first index whose cumulative mass reaches
+    ``(1 - u)`` of the row's total (inverse transform sampling, cumulative sums in float64).
+
+    A token of probability 0 is never picked (its cumulative mass equals its predecessor's, and the
+    threshold is > 0); the rows need not be normalised (a residual ``max(0, p - q)`` is fine) but
+    must have a positive sum. Works on the device of ``probs`` (no host copy).
+
+    Args:
+        probs: float ``[..., V]`` non-negative weights, on any device.
+        uniform: ``u`` in ``[0, 1)``: a Python float (every row), or float64 ``[...]`` on
+            ``probs``' device (one per row).
+
+    Returns:
+        int64 ``[...]`` token ids on ``probs``' device.
+    """
+    cdf = probs.double().cumsum(-1)  # (..., V)
+    keep = (1.0 - uniform) if isinstance(uniform, float) else (1.0 - uniform).unsqueeze(-1)  # scalar | (..., 1)
+    threshold = cdf[..., -1:] * keep  # (..., 1), in (0, total]
+    return torch.searchsorted(cdf, threshold).squeeze(-1)  # first index with cdf >= threshold
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of ``probs`` ``[..., V]``; returns int64 ``[...]``."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """Draw one token per row of ``probs`` ``[..., V]`` (any device) with one uniform per row
+    from the CPU ``generator`` (:func:`draw_uniforms`, :func:`inverse_cdf`); returns int64
+    ``[...]`` on ``probs``' device."""
+    flat = probs.reshape(-1, probs.shape[-1])  # (R, V)
+    uniforms = draw_uniforms(flat.shape[0], generator)
+    if len(uniforms) == 1:
+        tokens = inverse_cdf(flat, uniforms[0])  # (1,): the uniform goes in as a scalar, no copy
+    else:
+        tokens = inverse_cdf(flat, torch.tensor(uniforms, dtype=torch.float64).to(flat.device))  # (R,)
+    return tokens.reshape(probs.shape[:-1])

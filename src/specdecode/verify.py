@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams, draw_uniforms, inverse_cdf, logits_to_probs
 from specdecode.tree import _check_parents, children_lists
 
 
@@ -61,21 +61,40 @@ def greedy_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Verif
     Exact: the returned tokens are the ones greedy target-only decoding produces, since each
     accepted draft token equals the target's argmax given the accepted tokens before it.
 
+    Device: the argmax runs where the logits are; its ``k + 1`` ids are the one host copy.
+
     Args:
-        draft_ids: int64 ``[k]`` drafted tokens (k may be 0).
-        target_logits: ``[k + 1, V]`` target logits; row i scores the token after ``draft_ids[:i]``.
+        draft_ids: int64 ``[k]`` drafted tokens (k may be 0), on the CPU.
+        target_logits: ``[k + 1, V]`` target logits, any device; row i scores the token after
+            ``draft_ids[:i]``.
 
     Returns:
-        :class:`VerifyResult` with ``tokens`` ``[n + 1]``.
+        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` (CPU).
 
     Raises:
         ValueError: shapes or dtypes other than the above.
     """
     k = _check_shapes(draft_ids, target_logits)
-    target_ids = target_logits.argmax(dim=-1)  # (k + 1,)
-    mismatch = (draft_ids != target_ids[:k]).nonzero()
+    target_ids = target_logits.argmax(dim=-1).cpu()  # (k + 1,): the step's one host copy
+    mismatch = (draft_ids.cpu() != target_ids[:k]).nonzero()
     n = int(mismatch[0, 0]) if mismatch.numel() else k
     return VerifyResult(n, target_ids[: n + 1].clone())
+
+
+def _residuals(p: torch.Tensor, q: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """float64 ``[m, V]``: the residuals ``max(0, p_i - q_i)`` of rows ``p`` ``[m, V]`` (one-hot
+    ``q`` at ``ids`` ``[m]`` when ``q`` is None: ``p_i`` with the drafted token removed). Same device."""
+    if q is None:
+        residual = p.double().clone()  # (m, V)
+        residual[torch.arange(ids.shape[0], device=p.device), ids] = 0.0
+        return residual
+    return (p.double() - q.double()).clamp_min(0.0)  # (m, V)
+
+
+def _first_rejection(uniforms: list[float], p_x: list[float], q_x: list[float]) -> int:
+    """Index of the first draft with ``u_i >= p_i(x_i) / q_i(x_i)`` (``len(p_x)`` if none):
+    ``u * q >= p`` (no division; ``q = 0`` for a drafted token cannot happen)."""
+    return next((i for i, (p, q) in enumerate(zip(p_x, q_x, strict=True)) if uniforms[i] * q >= p), len(p_x))
 
 
 def rejection_sample(
@@ -92,48 +111,50 @@ def rejection_sample(
     the bonus token is drawn from ``p_{k+1}``. The output is distributed exactly as sampling from
     ``p`` token by token (Leviathan et al., Theorem 1), whatever ``q`` is.
 
-    Randomness: k uniforms are drawn from ``generator`` first (one per draft position), then one
-    ``torch.multinomial`` draw for the recovered / bonus token.
+    Randomness: ``k + 1`` uniforms are drawn from ``generator`` (a CPU generator,
+    :func:`~specdecode.sampling.draw_uniforms`): ``u_i`` tests draft i, ``u_k`` picks the recovered
+    / bonus token by :func:`~specdecode.sampling.inverse_cdf`. A seed so gives the same tokens on
+    every device (up to the rounding of the probabilities).
+
+    Device: the probabilities stay where they are. On the CPU the final row is built once n is
+    known; elsewhere every row's candidate final token is computed on the device and one host copy
+    brings ``p_i(x_i)``, ``q_i(x_i)`` and the candidates back (one synchronisation per step).
 
     Args:
-        draft_ids: int64 ``[k]`` drafted tokens (k may be 0).
-        draft_probs: float ``[k, V]`` draft distributions q the tokens were sampled from, or None
-            for a deterministic proposal (one-hot q at ``draft_ids``).
-        target_probs: float ``[k + 1, V]`` target distributions p; row i is for the token after
-            ``draft_ids[:i]``.
-        generator: source of randomness (None: torch's default generator).
+        draft_ids: int64 ``[k]`` drafted tokens (k may be 0), on the CPU.
+        draft_probs: float ``[k, V]`` draft distributions q the tokens were sampled from, on
+            ``target_probs``' device, or None for a deterministic proposal (one-hot q at ``draft_ids``).
+        target_probs: float ``[k + 1, V]`` target distributions p, any device; row i is for the
+            token after ``draft_ids[:i]``.
+        generator: a CPU ``torch.Generator`` (None: torch's default generator).
 
     Returns:
-        :class:`VerifyResult` with ``tokens`` ``[n + 1]``.
+        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` (CPU).
 
     Raises:
         ValueError: shapes or dtypes other than the above.
     """
     k = _check_shapes(draft_ids, target_probs)
-    uniforms = torch.rand(k, generator=generator, dtype=torch.float64)  # (k,)
-    p = target_probs.double()
-    rows = torch.arange(k)
-    p_x = p[rows, draft_ids]  # (k,)
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        if draft_probs.shape != (k, target_probs.shape[1]):
-            raise ValueError(
-                f"draft_probs must be [k, V] = [{k}, {target_probs.shape[1]}], got {list(draft_probs.shape)}"
-            )
-        q_x = draft_probs.double()[rows, draft_ids]  # (k,)
-    # u < p/q  <=>  u * q < p  (no division, and q = 0 for a drafted token cannot happen)
-    rejected = (uniforms * q_x >= p_x).nonzero()
-    n = int(rejected[0, 0]) if rejected.numel() else k
-    if n == k:
-        final = p[k]  # bonus: the target's own distribution
-    else:
-        final = p[n].clone() if draft_probs is None else (p[n] - draft_probs[n].double()).clamp_min(0.0)
-        if draft_probs is None:  # one-hot q: the residual is p with the rejected token removed
-            final[draft_ids[n]] = 0.0
-        # the residual's sum is > 0 whenever a rejection can happen
-    next_token = torch.multinomial(final.float(), 1, generator=generator)  # (1,)
-    return VerifyResult(n, torch.cat([draft_ids[:n], next_token]))
+    if draft_probs is not None and draft_probs.shape != (k, target_probs.shape[1]):
+        raise ValueError(f"draft_probs must be [k, V] = [{k}, {target_probs.shape[1]}], got {list(draft_probs.shape)}")
+    device = target_probs.device
+    uniforms = draw_uniforms(k + 1, generator)  # k acceptance tests, then the recovered / bonus draw
+    ids = draft_ids.to(device)  # (k,)
+    rows = torch.arange(k, device=device)
+    p_x = target_probs[rows, ids].double()  # (k,)
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, ids].double()  # (k,)
+    if device.type == "cpu":
+        n = _first_rejection(uniforms, p_x.tolist(), q_x.tolist())
+        q_n = None if draft_probs is None else draft_probs[n : n + 1]
+        final = target_probs[k] if n == k else _residuals(target_probs[n : n + 1], q_n, ids[n : n + 1])[0]  # (V,)
+        token = int(inverse_cdf(final, uniforms[k]))
+    else:  # every row's candidate on the device, one host copy
+        finals = torch.cat([_residuals(target_probs[:k], draft_probs, ids), target_probs[k:].double()])  # (k + 1, V)
+        candidates = inverse_cdf(finals, uniforms[k])  # (k + 1,)
+        host = torch.cat([p_x, q_x, candidates.double()]).tolist()  # 3k + 1 numbers
+        n = _first_rejection(uniforms, host[:k], host[k : 2 * k])
+        token = int(host[2 * k + n])
+    return VerifyResult(n, torch.cat([draft_ids[:n].cpu(), torch.tensor([token], dtype=torch.int64)]))
 
 
 def rejection_sample_reference(
@@ -142,13 +163,13 @@ def rejection_sample_reference(
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
-    """Plain loop version of :func:`rejection_sample`, written for reading, used by tests.
+    """Plain loop version of :func:`rejection_sample`, written for reading, used by tests (CPU).
 
     Same arguments, same use of randomness, same result.
     """
     k = draft_ids.shape[0]
     V = target_probs.shape[1]
-    uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
+    uniforms = draw_uniforms(k + 1, generator)
     accepted: list[int] = []
     for i in range(k):
         x = int(draft_ids[i])
@@ -160,9 +181,9 @@ def rejection_sample_reference(
             accepted.append(x)
             continue
         residual = torch.clamp(p - q, min=0.0)
-        token = int(torch.multinomial(residual.float(), 1, generator=generator))
+        token = int(inverse_cdf(residual, uniforms[k]))
         return VerifyResult(i, torch.tensor(accepted + [token], dtype=torch.int64))
-    bonus = int(torch.multinomial(target_probs[k].float(), 1, generator=generator))
+    bonus = int(inverse_cdf(target_probs[k], uniforms[k]))
     return VerifyResult(k, torch.tensor(accepted + [bonus], dtype=torch.int64))
 
 
@@ -261,42 +282,60 @@ def rejection_sample_tree(
     independent randomness); they may repeat (a repeated token is then accepted with probability
     0). The chance to accept some child is ``sum_j p(x_j)`` over distinct candidates.
 
-    Randomness: one uniform per child tried, then one ``torch.multinomial`` draw, from ``generator``.
+    Randomness: one uniform per child tried, then one for the recovered / bonus token
+    (:func:`~specdecode.sampling.inverse_cdf`), from ``generator``, a CPU generator.
+
+    Device: the walk runs on the host over ``N`` candidate probabilities ``p_parent(x)`` and the
+    ``N + 1`` row sums, brought back in one copy; the final token is drawn on the probabilities'
+    device and its id is the second copy.
 
     Args:
-        draft_ids: int64 ``[N]``, tokens of nodes ``1 .. N``.
-        parents: int64 ``[N]``, parent node of nodes ``1 .. N``.
-        target_probs: float ``[N + 1, V]`` target distributions; row i is for the token after node i.
-        generator: source of randomness (None: torch's default generator).
+        draft_ids: int64 ``[N]``, tokens of nodes ``1 .. N``, on the CPU.
+        parents: int64 ``[N]``, parent node of nodes ``1 .. N``, on the CPU.
+        target_probs: float ``[N + 1, V]`` target distributions, any device; row i is for the
+            token after node i.
+        generator: a CPU ``torch.Generator`` (None: torch's default generator).
 
     Returns:
-        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` and ``path`` ``[n]``.
+        :class:`VerifyResult` with ``tokens`` ``[n + 1]`` and ``path`` ``[n]`` (CPU).
 
     Raises:
         ValueError: shapes, dtypes or parents other than the above.
     """
     children = _check_tree(draft_ids, parents, target_probs)
     ids = draft_ids.tolist()
+    N = len(ids)
+    device = target_probs.device
+    p_x = target_probs[parents.to(device), draft_ids.to(device)].double()  # (N,): each node's token under its parent
+    sums = target_probs.sum(-1, dtype=torch.float64)  # (N + 1,)
+    host = torch.cat([p_x, sums]).tolist()  # N candidate probabilities, N + 1 row sums: one copy
     path: list[int] = []
     node = 0
     while True:
-        residual = target_probs[node].double().clone()  # (V,)
+        total = host[N + node]  # the residual's mass: p's, less the candidates rejected so far
+        removed: set[int] = set()
         accepted = None
         for child in children[node]:
             x = ids[child - 1]
-            total = float(residual.sum())
-            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
-            if total > 0 and u * total < float(residual[x]):
+            mass = 0.0 if x in removed else host[child - 1]
+            u = draw_uniforms(1, generator)[0]
+            if total > 0 and u * total < mass:
                 accepted = child
                 break
-            residual[x] = 0.0
+            if x not in removed:
+                removed.add(x)
+                total -= mass
         if accepted is None:
             break
         path.append(accepted)
         node = accepted
-    if float(residual.sum()) <= 0.0:  # only by rounding: every token of p was a rejected candidate
-        residual = target_probs[node].double()
-    token = int(torch.multinomial(residual.float(), 1, generator=generator))
+    row = target_probs[node].double()  # (V,)
+    residual = row.clone()
+    if removed:
+        residual[torch.tensor(sorted(removed), dtype=torch.int64, device=device)] = 0.0
+    # the residual's sum is 0 only by rounding (every token of p was a rejected candidate): then p itself
+    residual = torch.where(residual.sum() > 0.0, residual, row)
+    token = int(inverse_cdf(residual, draw_uniforms(1, generator)[0]))
     tokens = [ids[c - 1] for c in path] + [token]
     return VerifyResult(len(path), torch.tensor(tokens, dtype=torch.int64), torch.tensor(path, dtype=torch.int64))
 
