@@ -17,6 +17,10 @@ calls per target pass::
 so "the server decodes exactly as ``generate`` does" holds by construction: same invariant (the
 runner caches every context token but the last), same verifier, same use of randomness, same stop
 rules.
+
+Devices (docs/design.md §2b, "Device policy"): the context and every id live on the CPU; the
+logits on the runner's :attr:`device`. :meth:`propose` is the one place a draft is moved: its ids
+to the CPU, its probabilities to the runner's device. The generator is a CPU generator.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class DecodeState:
         constraint: the sequence's grammar state (:class:`~specdecode.constraints.state.ConstraintState`,
             structured output): :meth:`propose` shapes drafts to the grammar, :meth:`verify` masks
             the target's distribution, :meth:`append` advances the grammar; None: unconstrained.
+        device: where the target runner's logits live (its ``device``); drafts' probabilities are
+            moved there. Default: the CPU.
 
     Attributes:
         context: int64 ``[P + limit + max_k + 1]``; ``context[:T]`` is known.
@@ -87,8 +93,9 @@ class DecodeState:
         ignore_eos: bool = False,
         num_logprobs: int | None = None,
         constraint: ConstraintState | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).cpu()
         P = int(prompt.shape[0])
         if P == 0:
             raise ValueError("prompt must contain at least one token")
@@ -104,7 +111,8 @@ class DecodeState:
         self.context[:P] = prompt
         self.T = P
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)  # CPU, whatever the device (§2b)
+        self.device = torch.device(device)
         self.stats = stats if stats is not None else SpecStats(prompt_tokens=P)
         self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
         self.generated: list[int] = []
@@ -125,10 +133,12 @@ class DecodeState:
 
     def propose(self, k: int) -> DraftTokens:
         """Up to ``k`` draft tokens from the proposer over ``context[:T]`` (none when ``k <= 0`` or
-        there is no proposer). Errors are the proposer's."""
+        there is no proposer): ids int64 ``[k']`` on the CPU, probs float ``[k', V]`` on
+        :attr:`device` or None. Errors are the proposer's."""
         if k <= 0 or self.proposer is None:
             return DraftTokens.empty()
         draft = self.proposer.propose(self.context[: self.T], k, self.sampling, self.generator)
+        draft = draft.to(self.device)  # the one move of a draft: ids to the CPU, probs to the logits' device
         if self.constraint is not None:  # grammar-aware drafting: cut at a forbidden token, forced tokens
             draft = self.constraint.shape_draft(draft, k)
         return draft
@@ -140,8 +150,9 @@ class DecodeState:
         masked to the grammar at every position).
 
         Args:
-            draft: the draft sent, ids int64 ``[k]``, probs ``[k, V]`` | None.
-            target_logits: float ``[scored + 1, V]``, ``scored <= k``.
+            draft: the draft sent (from :meth:`propose`), ids int64 ``[k]`` (CPU), probs ``[k, V]``
+                (on the logits' device) | None.
+            target_logits: float ``[scored + 1, V]``, ``scored <= k``, on :attr:`device`.
         """
         if self.constraint is not None:
             return self.constraint.verify(draft, target_logits, self.sampling, self.generator)

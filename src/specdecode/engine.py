@@ -467,6 +467,7 @@ class SpeculativeGenerator:
             stats=stats,
             num_logprobs=logprobs,
             constraint=self._constraint_state(constraint),
+            device=self.target.device,  # where the logits live: drafts' probs are moved there once
         )
         result = GenerationResult("", [], "length", stats, state.logprobs)
         steps = self._decode(state, plan, spec_tree)

@@ -162,10 +162,12 @@ class ConstraintState:
             return draft
         new_ids = torch.tensor(ids[:valid] + forced, dtype=torch.int64)  # (valid + forced,)
         probs = None
-        if draft.probs is not None:
-            one_hot = torch.zeros(len(forced), draft.probs.shape[1], dtype=draft.probs.dtype)
-            one_hot[torch.arange(len(forced)), torch.tensor(forced, dtype=torch.int64)] = 1.0
-            probs = torch.cat([draft.probs[:valid].cpu(), one_hot])  # (valid + forced, V)
+        if draft.probs is not None:  # on the probs' device (the logits')
+            device = draft.probs.device
+            one_hot = torch.zeros(len(forced), draft.probs.shape[1], dtype=draft.probs.dtype, device=device)
+            forced_ids = torch.tensor(forced, dtype=torch.int64, device=device)  # (forced,)
+            one_hot[torch.arange(len(forced), device=device), forced_ids] = 1.0
+            probs = torch.cat([draft.probs[:valid], one_hot])  # (valid + forced, V)
         self.forced_draft_tokens += len(forced)
         return DraftTokens(new_ids, probs)
 
@@ -181,15 +183,15 @@ class ConstraintState:
         the last :meth:`shape_draft`, and the count of forced tokens kept.
 
         Args:
-            draft: what was sent (after :meth:`shape_draft`): ids int64 ``[k]``, probs ``[k, V]`` | None.
-            target_logits: float ``[k + 1, V]`` (any device).
+            draft: what was sent (after :meth:`shape_draft`): ids int64 ``[k]`` (CPU), probs
+                ``[k, V]`` (on the logits' device) | None.
+            target_logits: float ``[k + 1, V]`` (any device: the masks are moved there).
         """
         pending, self._pending = self._pending, None
         ids = draft.ids[: target_logits.shape[0] - 1].cpu()  # (k,)
-        allowed = self.allowed_along(ids.tolist()).to(target_logits.device)  # (k + 1, V)
+        allowed = self.allowed_along(ids.tolist()).to(target_logits.device)  # (k + 1, V): the masks' one move
         cut = pending[2] if pending is not None else None
-        probs = draft.probs.cpu() if draft.probs is not None else None
-        result = verify_constrained(ids, probs, target_logits, allowed, sampling, generator, cut)
+        result = verify_constrained(ids, draft.probs, target_logits, allowed, sampling, generator, cut)
         if pending is not None:
             valid, forced = pending[0], pending[1]
             self.forced_accepted_tokens += max(0, min(result.num_accepted, valid + forced) - valid)

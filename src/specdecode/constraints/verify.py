@@ -66,10 +66,11 @@ def verify_constrained(
     the residual. The row after it is never read.
 
     Args:
-        draft_ids: int64 ``[k]``, the drafts sent to the target.
-        draft_probs: float ``[k, V]`` or None (deterministic drafts).
-        target_logits: float ``[k + 1, V]``: row i scores the token after ``draft_ids[:i]``.
-        allowed: bool ``[k + 1, V]``: row i, the tokens the grammar allows after ``draft_ids[:i]``.
+        draft_ids: int64 ``[k]``, the drafts sent to the target (CPU).
+        draft_probs: float ``[k, V]`` on the logits' device, or None (deterministic drafts).
+        target_logits: float ``[k + 1, V]``, any device: row i scores the token after ``draft_ids[:i]``.
+        allowed: bool ``[k + 1, V]`` on the logits' device: row i, the tokens the grammar allows
+            after ``draft_ids[:i]``.
         sampling: the request's sampling parameters.
         generator: randomness for sampling (unused when greedy).
         cut: the dropped forbidden draft token and its q row, or None.
@@ -91,8 +92,10 @@ def verify_constrained(
 
 
 def _one_hot(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(ids.shape[0], like.shape[1], dtype=like.dtype, device=like.device)  # (k, V)
-    out[torch.arange(ids.shape[0]), ids] = 1.0
+    """float ``[k, V]`` one-hot rows at ``ids`` (int64 ``[k]``, CPU), on ``like``'s device and dtype."""
+    device = like.device
+    out = torch.zeros(ids.shape[0], like.shape[1], dtype=like.dtype, device=device)  # (k, V)
+    out[torch.arange(ids.shape[0], device=device), ids.to(device)] = 1.0
     return out
 
 

@@ -133,6 +133,10 @@ class BatchedRunner:
     Rows are the sequences, ``0 .. num_rows - 1``. Each row keeps its own length; see the module
     docstring for how ragged rows, padding, masks and rollback work.
 
+    Devices (the runner contract's device policy, docs/design.md §2b): :attr:`device` is the
+    model's; the per-row logits and hidden states come back there. Inputs are CPU ids; the runner
+    builds ids, positions and masks and moves them to :attr:`device` itself.
+
     Args:
         model: a decoder-only ``transformers`` causal LM (RoPE, ``sdpa`` or ``eager`` attention).
         max_rows: the most sequences at once.
@@ -158,6 +162,7 @@ class BatchedRunner:
 
     @property
     def device(self) -> torch.device:
+        """Where the logits and hidden states live: the model's device (the contract's device)."""
         return self.model.device
 
     @property
@@ -237,7 +242,7 @@ class BatchedRunner:
 
         Args:
             first: the first row; the call covers rows ``first .. first + len(inputs) - 1``.
-            inputs: per row, int64 ``[n_b]`` (n_b >= 1), the tokens after the row's cached ones.
+            inputs: per row, int64 ``[n_b]`` (n_b >= 1) on the CPU, the tokens after the row's cached ones.
             num_logits: per row, how many of its last positions to score (1 <= num_logits[b] <= n_b).
             return_hidden: also return the target's *features* (the decoder's final hidden states,
                 what the LM head reads) of every input token, for proposers that draft from them
@@ -247,7 +252,7 @@ class BatchedRunner:
                 uses it to stop a split verification pass early.
 
         Returns:
-            per row, float32 ``[num_logits[b], V]``; row i scores the token after
+            per row, float32 ``[num_logits[b], V]`` on :attr:`device`; row i scores the token after
             ``inputs[b][n_b - num_logits[b] + i]``, exactly as
             :meth:`specdecode.models.runner.ModelRunner.forward` does for one sequence. With
             ``return_hidden``: ``(logits, hidden)``, ``hidden[b]`` ``[n_b, H]`` in the model's dtype.
@@ -267,7 +272,7 @@ class BatchedRunner:
         device = self.device
         ids = torch.zeros(B, T, dtype=torch.int64)  # (B, T), padded with token 0
         for b, x in enumerate(inputs):
-            ids[b, : sizes[b]] = x
+            ids[b, : sizes[b]] = x.cpu()  # CPU ids (a no-op for the contract's inputs)
         starts = torch.tensor(self.lengths[first : first + B], dtype=torch.int64)  # (B,)
         positions = (starts[:, None] + torch.arange(T)[None, :]).to(device)  # (B, T)
         kv_length = int(starts.max()) + T

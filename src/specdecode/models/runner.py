@@ -78,6 +78,11 @@ class ModelRunner:
     appends tokens; :meth:`truncate` drops the newest ones (rollback after a rejected draft),
     never re-running a prefill.
 
+    Devices (the runner contract's device policy, docs/design.md §2b): :attr:`device` is where
+    the logits (and hidden states) come back, the model's device. Every input (ids, positions,
+    masks, ``keep``) may be given on the CPU: the runner moves it to :attr:`device` itself; the
+    logits are not copied back.
+
     With ``head_ids`` the runner scores only those rows of the output head (a reduced LM head,
     FR-Spec, Zhao et al. 2025, arXiv 2502.14856): it runs the decoder (``model.get_decoder()``,
     hidden states after the final norm) and multiplies by ``lm_head.weight[head_ids]``, a slice
@@ -135,6 +140,7 @@ class ModelRunner:
 
     @property
     def device(self) -> torch.device:
+        """Where the logits and hidden states live: the model's device (the contract's device)."""
         return self.model.device
 
     @property
@@ -171,7 +177,8 @@ class ModelRunner:
         """Append ``input_ids`` to the sequence and return the logits of its last positions.
 
         Args:
-            input_ids: int64 ``[T]``, T >= 1, the tokens after the :attr:`length` cached ones.
+            input_ids: int64 ``[T]``, T >= 1, the tokens after the :attr:`length` cached ones (any
+                device, usually the CPU: moved to :attr:`device` here).
             num_logits: how many of the last positions to score (1 <= num_logits <= T).
             return_hidden: also return the target's *features*: the decoder's final hidden states
                 (``model.get_decoder()`` ``last_hidden_state``, after the final norm, what the LM
@@ -184,7 +191,7 @@ class ModelRunner:
                 scores every row.
 
         Returns:
-            float32 ``[num_logits, V]`` logits; row i scores the token that follows
+            float32 ``[num_logits, V]`` logits on :attr:`device`; row i scores the token that follows
             ``input_ids[T - num_logits + i]``. With :attr:`head_ids`, ``[num_logits, N]``: column j
             scores token ``head_ids[j]``. With ``return_hidden``: ``(logits, hidden)``, hidden
             ``[T, H]`` in the model's dtype, row i the feature of ``input_ids[i]``.
@@ -252,7 +259,7 @@ class ModelRunner:
         model ready-made, so that ``transformers`` builds no causal mask of its own).
 
         Args:
-            input_ids: int64 ``[M]``, M >= 1.
+            input_ids: int64 ``[M]``, M >= 1 (any device; moved to :attr:`device`, as the two below).
             position_ids: int64 ``[M]``, each token's position in its sequence.
             attend: bool ``[M, length + M]``: which cache entries (old and new) token i sees; it
                 must see itself.
@@ -264,7 +271,7 @@ class ModelRunner:
                 one pass scores every node.
 
         Returns:
-            float32 ``[num_logits, V]`` (``[num_logits, N]`` with :attr:`head_ids`); with
+            float32 ``[num_logits, V]`` on :attr:`device` (``[num_logits, N]`` with :attr:`head_ids`); with
             ``return_hidden``, ``(logits, hidden [M, H])``.
 
         Raises:
@@ -302,14 +309,16 @@ class ModelRunner:
     def _masked_inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor, cache: DynamicCache
     ) -> dict:
-        """Model keyword arguments for :meth:`forward_masked`: ids, positions, a ready-made 4D additive mask."""
+        """Model keyword arguments for :meth:`forward_masked`: ids, positions, a ready-made 4D additive
+        mask, all on the model's device (``attend`` moves as bool; the float mask is built there)."""
         M = int(input_ids.shape[0])
-        dtype = self.model.dtype
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)  # (M, L)
+        dtype, device = self.model.dtype, self.device
+        allowed = attend.to(device)  # (M, L) bool
+        mask = torch.zeros(attend.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         return dict(
-            input_ids=input_ids.view(1, M).to(self.device),  # (1, M)
-            position_ids=position_ids.view(1, M).to(self.device),  # (1, M)
-            attention_mask={"full_attention": mask.view(1, 1, *attend.shape).to(self.device)},  # (1, 1, M, L)
+            input_ids=input_ids.view(1, M).to(device),  # (1, M)
+            position_ids=position_ids.view(1, M).to(device),  # (1, M)
+            attention_mask={"full_attention": mask.view(1, 1, *attend.shape)},  # (1, 1, M, L)
             **cache_kwargs(self.model, cache),
             use_cache=True,
         )
@@ -384,12 +393,12 @@ class ModelRunner:
         moves them, in order, to follow the prefix ``[0, keep[0])`` and truncates the rest.
 
         Args:
-            keep: int64 ``[n]``, strictly increasing cache positions in ``[0, length)``.
+            keep: int64 ``[n]``, strictly increasing cache positions in ``[0, length)``, on the CPU.
 
         Raises:
             ValueError: ``keep`` is empty, not increasing, or out of range.
         """
-        keep = torch.as_tensor(keep, dtype=torch.int64)
+        keep = torch.as_tensor(keep, dtype=torch.int64).cpu()  # its checks read it on the host
         n = int(keep.shape[0])
         if n == 0 or int(keep[0]) < 0 or int(keep[-1]) >= self.length or bool((keep[1:] <= keep[:-1]).any()):
             raise ValueError(f"keep must be increasing positions in [0, {self.length}), got {keep.tolist()}")

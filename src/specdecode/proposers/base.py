@@ -66,8 +66,12 @@ def default_num_speculative_tokens(proposer: object | None) -> int:
 class DraftTokens:
     """Tokens a proposer drafts for one step.
 
+    Devices (docs/design.md §2b): a proposer hands ``ids`` over on the CPU and ``probs`` on the
+    device it computed them on (its model's; the target's in the usual set-up);
+    :meth:`~specdecode.decode_state.DecodeState.propose` moves them once (:meth:`to`).
+
     Attributes:
-        ids: int64 ``[k]`` drafted tokens (k may be 0: nothing to propose this step).
+        ids: int64 ``[k]`` drafted tokens (k may be 0: nothing to propose this step), on the CPU.
         probs: float32 ``[k, V]`` the distributions q the ids were sampled from, or None for a
             deterministic proposal (treated as one-hot q by the verifier; always None when greedy).
     """
@@ -78,6 +82,14 @@ class DraftTokens:
     @staticmethod
     def empty() -> DraftTokens:
         return DraftTokens(torch.empty(0, dtype=torch.int64))
+
+    def to(self, device: torch.device) -> DraftTokens:
+        """This draft as the verifier takes it (docs/design.md §2b): ids on the CPU, probs on
+        ``device`` (the target's logits' device). Itself when nothing moves."""
+        probs = self.probs
+        if self.ids.device.type == "cpu" and (probs is None or probs.device == device):
+            return self
+        return DraftTokens(self.ids.cpu(), probs.to(device) if probs is not None else None)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

@@ -247,11 +247,10 @@ class DraftModelProposer(ProposerBase):
             ids.append(token)
             if i + 1 < num_tokens:
                 logits = self.runner.forward(token, num_logits=1)[-1]
+        draft_ids = torch.cat(ids).cpu()  # (k,): the ids stayed on the draft's device until here (one copy)
         if len(ids) < num_tokens:  # cut by the confidence threshold: the last fed token is the last drafted
-            draft_ids = torch.cat(ids)
             self._cached = torch.cat([context, draft_ids])
             return DraftTokens(draft_ids, torch.stack(probs) if probs else None)
-        draft_ids = torch.cat(ids)  # (k,)
         # The cache now holds context + draft_ids[:-1]; the last drafted token was never fed.
         self._cached = torch.cat([context, draft_ids[:-1]])
         return DraftTokens(draft_ids, torch.stack(probs) if probs else None)

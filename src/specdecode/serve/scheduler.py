@@ -448,6 +448,7 @@ class Scheduler:
             self.eos,
             self.tokenizer,
             constraint,
+            device=self.runner.device,
         )
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
@@ -461,7 +462,7 @@ class Scheduler:
         self.metrics.step_phase.labels(phase="prefill").observe(time.perf_counter() - tic)
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
             s.after_prefill(row_hidden)  # (T, H): every prompt position
-            result = s.verify(DraftTokens.empty(), row_logits.cpu())  # under a constraint: masked
+            result = s.verify(DraftTokens.empty(), row_logits)  # under a constraint: masked; on the logits' device
             self._emit(s, result.tokens, row_logits)  # the logits: rows of log-probabilities, if asked
 
     def _plan(self) -> list[int]:
@@ -500,7 +501,7 @@ class Scheduler:
         self.metrics.steps.inc()
         inputs = [s.step_input(d.ids) for s, d in zip(seqs, drafts, strict=True)]
         hints = [  # a split pass compares with the raw argmax: no hint for a constrained row
-            d.ids.cpu() if s.sampling.greedy and len(d) and s.constraint is None else None
+            d.ids if s.sampling.greedy and len(d) and s.constraint is None else None
             for s, d in zip(seqs, drafts, strict=True)
         ]
         tic = time.perf_counter()
@@ -512,10 +513,9 @@ class Scheduler:
         phase.labels(phase="draft").observe(tic - t1)
         phase.labels(phase="target").observe(seconds)
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
-            ids = draft.ids.cpu()
-            probs = draft.probs.cpu() if draft.probs is not None else None
-            # 3. verify the drafts scored (fewer than drafted only if greedy and a draft token was wrong)
-            result = s.verify(DraftTokens(ids, probs), row_logits.cpu())
+            # 3. verify the drafts scored (fewer than drafted only if greedy and a draft token was wrong),
+            # where the logits are (the draft was moved once by s.propose: ids CPU, probs on that device)
+            result = s.verify(draft, row_logits)
             n = result.num_accepted
             self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
             kept = row_hidden[: n + 1] if row_hidden is not None else None  # features of the root + accepted drafts

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from specdecode.decode_state import DecodeState
 from specdecode.proposers.base import Proposer
 from specdecode.serve.cost import AcceptanceEstimate
@@ -29,6 +31,7 @@ class RunningSequence(DecodeState):
         eos: frozenset[int],
         tokenizer: Any,
         constraint: Any = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         stats = SpecStats(
             num_speculative_tokens=req.max_k,
@@ -47,6 +50,7 @@ class RunningSequence(DecodeState):
             ignore_eos=req.ignore_eos,
             num_logprobs=req.logprobs,
             constraint=constraint,  # the request's grammar state (structured output), or None
+            device=device,  # the batched runner's: where its logits live (drafts' probs go there)
         )
         self.req = req
         self.row = row
