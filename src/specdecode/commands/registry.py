@@ -43,6 +43,9 @@ COMMANDS: dict[str, Command] = {
     "calibrate-early-exit": Command(
         "measure exit layers of the target; save the fastest", "specdecode.commands.calibrate", "add_calibrate_parser"
     ),
+    "doctor": Command(
+        "machine, llama.cpp build, the backend auto picks", "specdecode.commands.doctor", "add_doctor_parser"
+    ),
     "train-drafter": Command(
         "train Medusa heads or an EAGLE head for the target", "specdecode.commands.train_drafter", "add_train_parser"
     ),

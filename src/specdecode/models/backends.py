@@ -9,6 +9,7 @@ becomes a runner through :func:`make_runner`; nothing above that branches on the
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,25 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
     """The backend that runs ``target`` (None: the default target) for ``backend``.
 
     ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
-    without a CUDA GPU (where llama-cpp-python is installed); ``torch`` for Hugging Face folders, on
-    a CUDA GPU, and whenever a ``dtype`` other than ``"auto"`` is asked for (a torch setting).
+    without a CUDA GPU, where llama-cpp-python is installed and its build passed the smoke test on
+    that file (:mod:`specdecode.models.llamacpp_check`; a failed one prints one line on stderr and
+    takes torch); ``torch`` for Hugging Face folders, on a CUDA GPU, and whenever a ``dtype`` other
+    than ``"auto"`` is asked for (a torch setting). :func:`explain_backend` says why.
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS`.
+    """
+    chosen, reason = explain_backend(backend, target, dtype)
+    if reason.startswith(FALLBACK_PREFIX):
+        print(f"specdecode: {reason}", file=sys.stderr)
+    return chosen
+
+
+FALLBACK_PREFIX = "llama.cpp failed its smoke test"
+
+
+def explain_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto") -> tuple[str, str]:
+    """:func:`resolve_backend`'s choice and the reason for it, in words (``specdecode doctor``).
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -57,17 +75,29 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
-        return backend
-    if torch.cuda.is_available() or not llamacpp_available() or dtype != "auto":  # a dtype is a torch setting
-        return "torch"
-    if target is None:
-        return "llamacpp"
-    from specdecode.models.default import NAMED_MODELS
+        return backend, f"--backend {backend} was asked for"
+    if torch.cuda.is_available():
+        return "torch", "a CUDA GPU is present: torch runs the models on it"
+    if not llamacpp_available():
+        return "torch", "llama-cpp-python is not installed"
+    if dtype != "auto":  # a dtype is a torch setting
+        return "torch", f"dtype {dtype!r} is a torch setting"
+    if target is not None:
+        from specdecode.models.default import NAMED_MODELS
 
-    path = Path(target).expanduser()
-    if str(target) in NAMED_MODELS and not path.exists():
-        return "llamacpp"
-    return "llamacpp" if path.suffix == ".gguf" else "torch"
+        path = Path(target).expanduser()
+        packaged = str(target) in NAMED_MODELS and not path.exists()
+        if not packaged and path.suffix != ".gguf":
+            return "torch", f"{target} is not a .gguf file (a Hugging Face folder runs on torch)"
+    gguf = target_gguf(target)
+    if gguf is None:  # not installed or missing: loading says so
+        return "llamacpp", "a GGUF model on a CPU: llama.cpp's kernels"
+    from specdecode.models.llamacpp_check import check_llamacpp, usable
+
+    result = check_llamacpp(gguf)
+    if not usable(result):  # a crash or a hang; a file llama.cpp refuses fails as it loads
+        return "torch", f"{FALLBACK_PREFIX} ({result.reason}); running on torch instead (see `specdecode doctor`)"
+    return "llamacpp", "a GGUF model on a CPU: llama.cpp's kernels (its build passed the smoke test)"
 
 
 def gguf_path(spec: str | Path | None, role: str) -> Path:
@@ -108,11 +138,15 @@ def load_llamacpp(spec: str | Path | None, role: str, options: Any = None) -> An
 
     Raises:
         ModelNotFoundError: see :func:`gguf_path`.
-        ImportError: llama-cpp-python is not installed.
+        LlamaCppUnusableError: the build failed its smoke test on this file (cached;
+            :mod:`specdecode.models.llamacpp_check`).
     """
     from specdecode.models.llamacpp import LlamaCppModel
+    from specdecode.models.llamacpp_check import require_llamacpp
 
-    return LlamaCppModel(gguf_path(spec, role), options)
+    path = gguf_path(spec, role)
+    require_llamacpp(path)  # a build that crashes dies in a child process, not in this one
+    return LlamaCppModel(path, options)
 
 
 def load_llamacpp_tokenizer(model: Any) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,10 +94,9 @@ NAMED_MODELS = {"smollm2": SMOLLM2}
 
 def cache_dir() -> Path:
     """Root of specdecode's on-disk cache (see module docstring for the lookup order)."""
-    if env := os.environ.get("SPECDECODE_CACHE"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdecode"
+    from specdecode.models.llamacpp_build import cache_root  # one rule, also for the set-up's builds
+
+    return cache_root()
 
 
 def part_paths(model: PackagedGGUF) -> list[Path]:

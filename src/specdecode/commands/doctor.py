@@ -1,0 +1,117 @@
+"""``specdecode doctor``: what this machine is, what llama.cpp build is installed and whether it
+works here, which backend ``--backend auto`` picks and why."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from specdecode.commands.common import add_command_parser
+
+FLAGS_OF_INTEREST = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
+    "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "sve",
+)  # fmt: skip
+"""The CPU flags that decide llama.cpp's and torch's kernels, in the order printed."""
+
+
+def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``doctor`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    p = add_command_parser(
+        subparsers,
+        "doctor",
+        "print the machine (CPU, cores, CUDA), the llama.cpp build and its smoke test on the default "
+        "target, and which backend --backend auto picks and why",
+    )
+    p.add_argument("--target", help="the model to check and pick a backend for (default: the default target)")
+    p.add_argument("--fresh", action="store_true", help="run llama.cpp's smoke test now, even if a result is cached")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 if llama.cpp's smoke test fails (scripts/setup.sh uses it)"
+    )
+    p.set_defaults(func=cmd_doctor)
+    return p
+
+
+def _cores() -> str:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        usable = os.cpu_count() or 1
+    return f"{usable} usable of {os.cpu_count()}"
+
+
+def machine_lines() -> list[str]:
+    """The CPU (model, cores, the flags of :data:`FLAGS_OF_INTEREST`), the OS, Python, torch and CUDA."""
+    import torch
+
+    from specdecode.models.llamacpp_build import cpu_info
+
+    cpu = cpu_info()
+    flags = [f for f in FLAGS_OF_INTEREST if f in cpu["flags"]]
+    lines = [
+        f"cpu: {cpu['model'] or 'unknown'} ({cpu['machine']}), cores: {_cores()}",
+        f"cpu flags: {' '.join(flags) or 'none of ' + ' '.join(FLAGS_OF_INTEREST)}",
+        f"os: {platform.platform()}; python {platform.python_version()}; torch {torch.__version__}",
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            lines.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB (CUDA {torch.version.cuda})")
+    else:
+        lines.append("cuda: no CUDA device")
+    return lines
+
+
+def build_lines() -> list[str]:
+    """The installed llama.cpp build: version, the set-up's record (CMake arguments, key) and
+    whether that key is this machine's."""
+    import importlib.metadata
+
+    from specdecode.models.llamacpp_build import build_key, build_spec, installed_record
+
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return ["llama.cpp: llama-cpp-python is not installed (bash scripts/setup.sh builds it)"]
+    record = installed_record()
+    if record is None:
+        return [f"llama.cpp: llama-cpp-python {version}, not built by scripts/setup.sh (no record in {sys.prefix})"]
+    here = build_key(build_spec(record.get("flavour", "native")))
+    same = "built for this machine" if record.get("key") == here else f"built elsewhere: this machine's key is {here}"
+    return [
+        f"llama.cpp: llama-cpp-python {version}, {record.get('flavour')} build {record.get('key')} ({same})",
+        f"llama.cpp CMAKE_ARGS: {' '.join(record.get('cmake_args', []))}",
+        f"llama.cpp built with: {record.get('compiler')}",
+    ]
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Print the report; with ``--check``, exit 1 when the smoke test fails (or cannot run)."""
+    from specdecode.models.backends import explain_backend, llamacpp_available, target_gguf
+    from specdecode.models.llamacpp_check import check_llamacpp, failure_message
+
+    for line in machine_lines() + build_lines():
+        print(line)
+    status = 0
+    gguf = target_gguf(args.target)
+    if llamacpp_available() and gguf is not None:
+        result = check_llamacpp(gguf, fresh=args.fresh)
+        when = "cached" if result.cached else f"ran now, {result.seconds:.1f} s"
+        verdict = "passed" if result.ok else "CRASHED" if result.crashed else "FAILED"
+        print(f"llama.cpp smoke test on {Path(gguf).name}: {verdict} ({when})")
+        if result.system_info:
+            print(f"llama.cpp system info: {result.system_info}")
+        if not result.ok:
+            print(failure_message(result, gguf))
+            print("its last output:\n" + result.output_tail.rstrip())
+            status = 1 if args.check else 0
+    else:
+        print("llama.cpp smoke test: not run (llama-cpp-python or a GGUF target is missing)")
+        status = 1 if args.check else 0
+    backend, reason = explain_backend("auto", args.target)
+    print(f"--backend auto: {backend} ({reason})")
+    return status

@@ -1,0 +1,173 @@
+"""The llama.cpp build is keyed by what it was built for, and smoke-tested in a child process
+before the user's process loads it: a crashing build falls back to torch (auto) or fails with a
+clear error (--backend llamacpp), never a dead process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode.models import llamacpp_build as build
+from specdecode.models import llamacpp_check as check
+
+AMD = {"model": "AMD EPYC", "flags": ["avx2", "avx512f"], "machine": "x86_64"}
+INTEL_AMX = {"model": "Intel Xeon", "flags": ["avx2", "avx512f", "amx_tile", "amx_int8"], "machine": "x86_64"}
+
+
+def test_native_x86_build_leaves_amx_out_and_keeps_the_users_cmake_args_first() -> None:
+    args = build.cmake_args("native", "-DGGML_CUDA=on -DCMAKE_C_FLAGS=-O3", INTEL_AMX)
+    assert args[0] == "-DGGML_CUDA=on"
+    assert "-DGGML_LLAMAFILE=OFF" in args
+    assert "-DCMAKE_C_FLAGS=-O3 -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in args  # merged, not repeated
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in args
+    assert not any("GGML_NATIVE=OFF" in a for a in args)  # -march=native keeps every other instruction set
+
+
+def test_a_user_amx_setting_is_respected_and_arm_gets_no_x86_flags() -> None:
+    assert not any("amx" in a for a in build.cmake_args("native", "-DGGML_AMX_INT8=ON", INTEL_AMX)[1:] if "FLAGS" in a)
+    arm = build.cmake_args("native", "", {"model": "", "flags": ["neon"], "machine": "aarch64"})
+    assert arm == ["-DGGML_LLAMAFILE=OFF"]
+
+
+def test_portable_build_is_x86_64_v3_without_native() -> None:
+    args = build.cmake_args("portable", "", AMD)
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX2=ON" in args and "-DGGML_FMA=ON" in args
+    assert any("-mno-amx-int8" in a for a in args)
+    no_avx2 = build.cmake_args("portable", "", {"model": "", "flags": ["sse4_2"], "machine": "x86_64"})
+    assert "-DGGML_NATIVE=OFF" in no_avx2 and "-DGGML_AVX2=ON" not in no_avx2
+    with pytest.raises(ValueError, match="flavour"):
+        build.cmake_args("fastest", "", AMD)
+
+
+def test_the_key_changes_with_cmake_args_cpu_compiler_and_flavour(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "compiler_version", lambda: "g++ 12.2")
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))
+    base = build.build_key(build.build_spec("native", ""))
+    assert build.build_key(build.build_spec("native", "")) == base  # stable
+    assert build.build_key(build.build_spec("native", "-DGGML_CUDA=on")) != base  # pip's cache missed this
+    assert build.build_key(build.build_spec("portable", "")) != base
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(INTEL_AMX))
+    assert build.build_key(build.build_spec("native", "")) != base  # a wheel for another CPU is not reused
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))
+    monkeypatch.setattr(build, "compiler_version", lambda: "g++ 13.3")
+    assert build.build_key(build.build_spec("native", "")) != base
+
+
+def test_a_build_marked_failed_makes_auto_choose_portable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
+    assert build.choose_flavour() == "native"
+    assert build.mark_failed() is None  # nothing installed by the set-up: nothing to mark
+    native = build.build_key(build.build_spec("native"))
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({"key": native, "flavour": "native"}))
+    assert build.mark_failed() == native
+    assert build.choose_flavour() == "portable"
+
+
+def test_the_setup_installs_the_keyed_build_and_smoke_tests_it() -> None:
+    setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
+    assert "llamacpp_build.py install" in setup
+    assert "pip install -q \"llama-cpp-python" not in setup  # no unkeyed install from pip's cache
+    assert setup.count("specdecode doctor --check") == 2  # native, then portable
+
+
+# ------------------------------------------------------------------ the smoke test
+
+
+def crashing_command(gguf: Path) -> list[str]:
+    """A child that dies as the AMX build did: a segmentation fault, after saying what it was doing."""
+    code = "import os, signal; print('phase: decoding', flush=True); os.kill(os.getpid(), signal.SIGSEGV)"
+    return [sys.executable, "-c", code]
+
+
+@pytest.fixture
+def fake_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``.gguf`` path (never loaded: the child is replaced) and a private cache."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_a_crashing_child_is_reported_with_its_signal_and_phase(fake_gguf: Path, monkeypatch) -> None:
+    monkeypatch.setattr(check, "check_command", crashing_command)
+    result = check.check_llamacpp(fake_gguf)
+    assert not result.ok and result.crashed and not result.cached
+    assert result.reason == "the process was killed by SIGSEGV while decoding"
+    again = check.check_llamacpp(fake_gguf)  # once per build and file: cached
+    assert again.cached and again.reason == result.reason
+
+
+def test_auto_falls_back_to_torch_with_one_line_on_stderr(
+    fake_gguf: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specdecode.models import backends
+
+    monkeypatch.setattr(check, "check_command", crashing_command)
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    assert backends.resolve_backend("auto", fake_gguf) == "torch"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "llama.cpp failed its smoke test" in err[0] and "SIGSEGV" in err[0] and "torch" in err[0]
+    assert backends.resolve_backend("llamacpp", fake_gguf) == "llamacpp"  # asked for: no check here, ...
+    with pytest.raises(check.LlamaCppUnusableError, match="SIGSEGV.*scripts/setup.sh"):
+        backends.load_llamacpp(fake_gguf, "target")  # ... but loading refuses with the reason
+
+
+def test_a_hanging_child_times_out(fake_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "check_command", lambda gguf: [sys.executable, "-c", "import time; time.sleep(30)"])
+    result = check.run_check(fake_gguf, timeout=1.0)
+    assert not result.ok and result.reason == "no answer after 1 s"
+
+
+def test_a_failing_child_names_its_last_error_and_is_no_crash(fake_gguf: Path, monkeypatch) -> None:
+    """A file llama.cpp refuses (a Python exception in the child) keeps llama.cpp: loading it in
+    this process raises the same error, as an exception; only a crash or a hang falls back."""
+    from specdecode.models import backends
+
+    code = "import sys; print('phase: loading the model', flush=True); sys.exit('bad magic in model.gguf')"
+    monkeypatch.setattr(check, "check_command", lambda gguf: [sys.executable, "-c", code])
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: False)
+    result = check.run_check(fake_gguf)
+    assert result.reason == "the process exited with status 1 while loading the model: bad magic in model.gguf"
+    assert not result.ok and not result.crashed and check.usable(result)
+    assert backends.resolve_backend("auto", fake_gguf) == "llamacpp"
+
+
+def test_the_real_build_passes_on_the_default_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed build decodes the default target in a child (a few seconds)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    from specdecode.models.backends import target_gguf
+
+    gguf = target_gguf(None)
+    if gguf is None:
+        pytest.skip("default models not installed")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # a fresh cache: the check runs now
+    result = check.check_llamacpp(gguf)
+    assert result.ok, result.reason + "\n" + result.output_tail
+    assert "CPU" in result.system_info and not result.cached
+
+
+def test_doctor_reports_machine_build_check_and_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    from specdecode.commands.main import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cpu: ") and "cores: " in out and "cpu flags: " in out
+    assert "llama.cpp" in out
+    assert "--backend auto: " in out.splitlines()[-1]
+
+
+def test_a_later_setup_keeps_the_cmake_args_of_the_installed_build(tmp_path: Path, monkeypatch) -> None:
+    """`CMAKE_ARGS=-DGGML_CUDA=on bash scripts/setup.sh`, then `bash scripts/demo.sh` (no CMAKE_ARGS):
+    the CUDA build stays; a CMAKE_ARGS given again wins."""
+    monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    assert build.build_spec("native")["user_cmake_args"] == ""
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({"key": "x", "user_cmake_args": "-DGGML_CUDA=on"}))
+    assert build.build_spec("native")["cmake_args"][0] == "-DGGML_CUDA=on"
+    monkeypatch.setenv("CMAKE_ARGS", "")
+    assert "-DGGML_CUDA=on" not in build.build_spec("native")["cmake_args"]
