@@ -1,0 +1,783 @@
+"""A GPU check in one command: CUDA tests, end-to-end speed, pass costs, one summary (docs/gpu.md).
+
+Called by ``scripts/gpu_check.sh``, which installs the carried wheels first and sets PYTHONPATH:
+
+    python scripts/gpu_check.py gguf-header DIR        # here: DIR/target.hdr + DIR/target.json
+    python scripts/gpu_check.py run [--llamacpp] [--budget S] [--cpu-dry-run]   # there
+
+``run`` runs each stage in a child process under its own time limit (a crash, a hang or a CUDA
+error in one stage does not stop the others) and prints one markdown summary; with ``$OUT`` set
+it also writes ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.md``. Stages:
+
+  pytest     ``tests/test_cuda.py`` (``SPECDECODE_TEST_DEVICE=cpu`` in a dry run)
+  torch      random weights of the default pair's architecture (bf16 on CUDA; tiny float32 models
+             in a dry run): the target's pass-cost curve through specdecode's ModelRunner, then
+             tok/s of transformers' generate (plain, assisted by the draft, prompt lookup) and of
+             specdecode (target alone, draft_model, prompt_lookup) on fixed token-id prompts
+  llamacpp   (--llamacpp) build the carried llama-cpp-python source with CUDA under a time limit
+             (paused while the torch stage times), then time a GGUF of the default target's
+             layout (carried header + random data) on llama.cpp: pass costs and tok/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+PASS_NS = (1, 2, 3, 5, 9, 17, 33)
+# The default pair's architecture (Qwen2.5-Coder-1.5B / 0.5B); weights random.
+TARGET_CONFIG = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+DRAFT_CONFIG = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+TINY_TARGET_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
+TINY_DRAFT_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=1000, tie_word_embeddings=True)
+# CMake arguments of the CUDA build: scripts/setup.sh's (LLAMAFILE off, AMX kernels out), CUDA for
+# Hopper only, flash-attention kernels not compiled (specdecode runs llama.cpp on a GPU with flash
+# attention off, LlamaCppOptions.flash_attn) and no tools, examples or tests: a shorter build.
+CUDA_CMAKE_ARGS = ("-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_LLAMAFILE=OFF "
+                   "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF "
+                   "-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF "
+                   "'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+                   "'-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'")
+# Packages the GPU machine lacks (scripts/gpu_check.sh carries their wheels). A dry run hides them
+# from the pytest and torch stages unless they were installed from the carried wheels, as there.
+MISSING_THERE = ("gguf", "diskcache", "llguidance", "pydantic", "pydantic_core", "annotated_types",
+                 "typing_inspection", "annotated_doc", "fastapi", "starlette", "uvicorn", "llama_cpp")
+SIMULATE_MISSING = """\
+# written by scripts/gpu_check.py --cpu-dry-run: the GPU machine's packages, as closely as a CPU box can
+import importlib.machinery, os, sys
+
+class _MissingThere:
+    names = frozenset(os.environ.get("GPU_CHECK_MISSING", "").split(","))
+    site = os.environ.get("GPU_CHECK_SITE", "")
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.names:
+            spec = importlib.machinery.PathFinder.find_spec(name, [self.site])
+            if spec is None:
+                raise ModuleNotFoundError(f"{name} is not on the GPU machine and no carried wheel has it "
+                                          "(simulated by gpu_check --cpu-dry-run)", name=name)
+            return spec
+        return None
+
+sys.meta_path.insert(0, _MissingThere())
+"""
+CPU_CMAKE_ARGS = "-DGGML_LLAMAFILE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+
+
+def log(message: str) -> None:
+    print(f"gpu_check: {message}", flush=True)
+
+
+def error_text(error: BaseException) -> str:
+    """One line: the exception and where it was raised (the innermost frame in specdecode, else the innermost)."""
+    tb = traceback.extract_tb(error.__traceback__)
+    ours = [frame for frame in tb if f"{os.sep}specdecode{os.sep}" in frame.filename]
+    frame = (ours or tb or [None])[-1]
+    where = f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})" if frame else ""
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}{where}"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write atomically, so a stage killed mid-write leaves the last complete record."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- child processes
+class Child:
+    """A child process in its own process group, which can be paused, resumed and killed as one."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.started = time.monotonic()
+        self.paused_s = 0.0
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                     start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> tuple[int | None, bool]:
+        """(return code, timed out); on timeout the whole group is killed and the code is None."""
+        try:
+            rc = self.proc.wait(timeout=max(timeout, 0.1))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+            rc, timed_out = None, True
+        self._log.close()
+        return rc, timed_out
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def describe_exit(rc: int | None, timed_out: bool, limit: float) -> str:
+    if timed_out:
+        return f"stopped at its time limit ({limit:.0f} s)"
+    if rc is not None and rc < 0:
+        try:
+            return f"killed by signal {-rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+# --------------------------------------------------------------------------- stage: pytest
+def stage_pytest(python: str, env: dict[str, str], limit: float, work: Path, dry: bool) -> dict[str, Any]:
+    test_file = ROOT / "tests" / "test_cuda.py"
+    if not test_file.exists():
+        return {"status": "skipped", "note": "tests/test_cuda.py does not exist in this checkout"}
+    xml_path = work / "pytest.xml"
+    env = dict(env)
+    if dry:
+        env["SPECDECODE_TEST_DEVICE"] = "cpu"
+    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}", "tests/test_cuda.py"]
+    log(f"pytest: {' '.join(args[1:])}{' (SPECDECODE_TEST_DEVICE=cpu)' if dry else ''}, limit {limit:.0f} s")
+    child = Child(args, work / "pytest.log", env)
+    rc, timed_out = child.wait(limit)
+    seconds = round(time.monotonic() - child.started, 1)
+    out: dict[str, Any] = {"seconds": seconds, "exit": describe_exit(rc, timed_out, limit)}
+    try:
+        suite = ET.parse(xml_path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        out["counts"] = counts
+        bad = []
+        for case in suite.iter("testcase"):
+            for kind in ("failure", "error"):
+                node = case.find(kind)
+                if node is not None:
+                    message = (node.get("message") or "").strip().splitlines()
+                    bad.append(f"{case.get('name')}: {kind}: {message[0][:200] if message else ''}")
+        out["failed"] = bad
+        skipped = {(node.get("message") or "").strip()[:150] for node in suite.iter("skipped")}
+        out["skip_reasons"] = sorted(skipped)[:5]
+        out["status"] = "ok" if rc == 0 else "failed"
+    except (OSError, ET.ParseError, AttributeError) as error:
+        out["status"] = "failed"
+        out["error"] = f"no junit report ({error_text(error)})"
+    if rc != 0:
+        out["log_tail"] = child.tail()
+    return out
+
+
+# --------------------------------------------------------------------------- stage: torch (child)
+def make_prompts(vocab: int, length: int, count: int) -> list[list[int]]:
+    """Fixed token-id prompts: one random, the others a random block repeated (code-like repetition,
+    so that prompt lookup finds matches in the prompt)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    high = min(vocab, 150000)  # below Qwen's special tokens
+    prompts = [torch.randint(0, high, (length,), generator=g).tolist()]
+    for i in range(1, count):
+        block = torch.randint(0, high, (max(4, length // (2 + 2 * i)),), generator=g).tolist()
+        prompts.append((block * (length // len(block) + 1))[:length])
+    return prompts
+
+
+def stage_torch(result_path: Path, dry: bool) -> None:
+    """Measure and write ``result_path`` after every measurement (a timeout keeps what was measured)."""
+    import torch
+    import transformers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cuda = torch.cuda.is_available() and not dry
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)" if dry else "cpu (no CUDA)",
+        "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype).split(".")[-1],
+        "cuda": torch.version.cuda if cuda else None, "methods": {}, "pass_cost_ms": {}, "errors": {},
+    }
+    save = lambda: write_json(result_path, res)  # noqa: E731
+    save()
+    if not cuda and not dry:
+        res["errors"]["torch"] = "CUDA is not available (torch.cuda.is_available() is False); nothing timed"
+        save()
+        return
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    new_tokens = 16 if dry else 128
+    prompt_len, n_prompts = (48, 3) if dry else (256, 3)
+    depth, reps = (40, 3) if dry else (400, 10)
+    res["settings"] = {"new_tokens": new_tokens, "prompt_tokens": prompt_len, "prompts": n_prompts,
+                       "pass_cost_depth": depth, "pass_cost_reps": reps}
+    models: dict[str, Any] = {}
+    for name, cfg in (("target", TINY_TARGET_CONFIG if dry else TARGET_CONFIG),
+                      ("draft", TINY_DRAFT_CONFIG if dry else DRAFT_CONFIG)):
+        try:
+            t0 = time.perf_counter()
+            config = Qwen2Config(**cfg)
+            config.eos_token_id = config.bos_token_id = None  # random weights: never stop early
+            torch.manual_seed(0 if name == "target" else 1)
+            with torch.device(dev):
+                model = Qwen2ForCausalLM(config).to(dtype).eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.bos_token_id = None
+            model.generation_config.pad_token_id = 0
+            models[name] = model
+            sync()
+            res[f"{name}_build_s"] = round(time.perf_counter() - t0, 1)
+        except Exception as error:  # noqa: BLE001 - recorded, the others go on
+            res["errors"][f"build {name}"] = error_text(error)
+        save()
+    target, draft = models.get("target"), models.get("draft")
+    if target is None:
+        return
+
+    # pass-cost curve: n tokens at `depth` cached, through specdecode's runner
+    for label, model, ns in (("target", target, PASS_NS), ("draft", draft, (1, 2, 5))):
+        if model is None:
+            continue
+        try:
+            from specdecode.models.runner import ModelRunner
+
+            runner = ModelRunner(model)
+            g = torch.Generator().manual_seed(0)
+            vocab = model.config.vocab_size
+            with torch.inference_mode():
+                runner.forward(torch.randint(0, vocab, (depth,), generator=g))
+                row: dict[str, float] = {}
+                for n in ns:
+                    x = torch.randint(0, vocab, (n,), generator=g)
+                    times = []
+                    for i in range(reps + 2):
+                        sync()
+                        t = time.perf_counter()
+                        runner.forward(x, num_logits=n)
+                        sync()
+                        if i >= 2:  # two warm-ups
+                            times.append(time.perf_counter() - t)
+                        runner.truncate(depth)
+                    row[str(n)] = round(statistics.median(times) * 1000, 2)
+                    res["pass_cost_ms"][label] = row
+                    save()
+            del runner
+        except Exception as error:  # noqa: BLE001
+            res["errors"][f"pass cost {label}"] = error_text(error)
+            save()
+
+    prompts = make_prompts(target.config.vocab_size, prompt_len, n_prompts)
+    methods = torch_methods(target, draft, new_tokens, dev)
+    outputs: dict[str, list[list[int]]] = {}
+    for name, run in methods:
+        entry: dict[str, Any] = {}
+        res["methods"][name] = entry
+        try:
+            run(prompts[0], max(2, new_tokens // 8))  # warm-up
+            seconds, tokens, extra = 0.0, 0, []
+            outs = []
+            for prompt in prompts:
+                sync()
+                t = time.perf_counter()
+                ids, info = run(prompt, new_tokens)
+                sync()
+                seconds += time.perf_counter() - t
+                tokens += len(ids)
+                outs.append(ids)
+                extra.append(info)
+            outputs[name] = outs
+            entry.update(tok_s=round(tokens / seconds, 1), new_tokens=tokens, seconds=round(seconds, 3))
+            mal = [info["mean_acceptance_length"] for info in extra if "mean_acceptance_length" in info]
+            if mal:
+                entry["mean_acceptance_length"] = round(sum(mal) / len(mal), 2)
+        except Exception as error:  # noqa: BLE001
+            entry["error"] = error_text(error)
+            log(f"torch: {name} failed: {entry['error']}")
+            if cuda:
+                torch.cuda.synchronize()
+        save()
+    reference = "specdecode_target" if "specdecode_target" in outputs else "hf_generate"
+    for name, outs in outputs.items():
+        if name != reference and reference in outputs:
+            same = sum(a == b for a, b in zip(outs, outputs[reference], strict=True))
+            res["methods"][name]["identical_to"] = f"{reference}: {same}/{len(outs)} prompts"
+    save()
+
+
+def torch_methods(target: Any, draft: Any, new_tokens: int, dev: Any) -> list[tuple[str, Callable]]:
+    """(name, run(prompt ids, max new tokens) -> (new ids, info)) for every method timed."""
+    import torch
+
+    def hf(**kwargs: Any) -> Callable:
+        def run(prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
+            ids = torch.tensor([prompt], device=dev)
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      do_sample=False, **kwargs)
+            return out[0, ids.shape[1]:].tolist(), {}
+        return run
+
+    generators: dict[str, Any] = {}
+
+    def ours(kind: str) -> Callable:
+        def run(prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
+            from specdecode import SamplingParams, SpeculativeGenerator
+
+            if kind not in generators:  # built once, outside the timed calls after the warm-up
+                if kind == "draft_model":
+                    generators[kind] = SpeculativeGenerator(target, draft=draft, tokenizer=None)
+                elif kind == "prompt_lookup":
+                    from specdecode.proposers.prompt_lookup import PromptLookupProposer
+
+                    generators[kind] = SpeculativeGenerator(target, tokenizer=None, proposer=PromptLookupProposer())
+                else:
+                    generators[kind] = SpeculativeGenerator(target, tokenizer=None)
+            result = generators[kind].generate(prompt, SamplingParams(temperature=0, max_new_tokens=n),
+                                               speculative=kind != "target")
+            info = {} if kind == "target" else {"mean_acceptance_length": result.stats.mean_acceptance_length}
+            return list(result.token_ids), info
+        return run
+
+    methods: list[tuple[str, Callable]] = [("hf_generate", hf())]
+    if draft is not None:
+        methods.append(("hf_assisted_draft", hf(assistant_model=draft)))
+    methods.append(("hf_prompt_lookup", hf(prompt_lookup_num_tokens=8)))
+    methods.append(("specdecode_target", ours("target")))
+    if draft is not None:
+        methods.append(("specdecode_draft_model", ours("draft_model")))
+    methods.append(("specdecode_prompt_lookup", ours("prompt_lookup")))
+    return methods
+
+
+# --------------------------------------------------------------------------- stage: llama.cpp
+def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry: bool) -> Child | str:
+    """Start building the carried slim llama-cpp-python into ``site``; a Child, or why not."""
+    tarball = gpu_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-slim.tar.gz"
+    if not tarball.is_file():
+        return f"no {tarball} (run 'bash scripts/gpu_check.sh prepare' here and carry {gpu_dir})"
+    src = work / "llama-src"
+    src.mkdir(exist_ok=True)
+    try:
+        subprocess.run(["tar", "xzf", str(tarball), "-C", str(src)], check=True, capture_output=True, timeout=60)
+    except (subprocess.SubprocessError, OSError) as error:
+        return f"could not unpack {tarball}: {error_text(error)}"
+    cmake = CPU_CMAKE_ARGS if dry else CUDA_CMAKE_ARGS
+    env = {**os.environ, "CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    args = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+            "--no-cache-dir", "--disable-pip-version-check", "--target", site,
+            str(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}")]
+    log(f"llamacpp: building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (CMAKE_ARGS={cmake}) in the background")
+    return Child(["nice", "-n", "10", *args], work / "llama-build.log", env)
+
+
+def fill_gguf(header: Path, data_bytes: int, out: Path) -> None:
+    """Header + random bytes below 0x40 (every fp16 scale and f32 weight finite): a GGUF with the
+    model's layout whose pass costs are the real model's (outputs are meaningless)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with open(header, "rb") as f, open(out, "wb") as g:
+        g.write(f.read())
+        left = data_bytes
+        while left:
+            n = min(left, 1 << 28)
+            g.write(rng.integers(0, 64, n, dtype=np.uint8).tobytes())
+            left -= n
+
+
+def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
+    """Pass costs and tok/s of the GGUF on llama.cpp (all layers on the GPU where the build has one)."""
+    import torch
+
+    from specdecode import SamplingParams, SpeculativeGenerator
+    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions, _lib
+    from specdecode.proposers.prompt_lookup import PromptLookupProposer
+
+    lib = _lib()  # the llama_cpp module, loaded after torch as specdecode loads it
+    res: dict[str, Any] = {"llama_cpp": getattr(lib, "__version__", "?"),
+                           "gpu_offload": bool(lib.llama_supports_gpu_offload()),
+                           "system_info": lib.llama_print_system_info().decode(errors="replace")[:300],
+                           "pass_cost_ms": {}, "methods": {}, "errors": {}}
+    depth, reps, ns = (16, 1, (1, 3)) if dry else (400, 10, PASS_NS)
+    res["pass_cost_depth"] = depth
+    write_json(result_path, res)
+    threads = 1 if dry else None  # dry run: one thread (spinning threads crawl on a busy 2-core box)
+    new_tokens, prompt_len = (6, 24) if dry else (128, 256)
+    for exact in (False, True):
+        label = f"exact={exact}"
+        try:
+            t0 = time.perf_counter()
+            model = LlamaCppModel(gguf, LlamaCppOptions(n_ctx=2048, exact=exact, threads=threads))
+            res[f"load_s {label}"] = round(time.perf_counter() - t0, 1)
+            runner = model.make_runner()
+            g = torch.Generator().manual_seed(0)
+            vocab = min(model.vocab_size, 150000)  # below Qwen's special tokens
+            runner.forward(torch.randint(0, vocab, (depth,), generator=g))
+            row: dict[str, float] = {}
+            for n in ns:
+                x = torch.randint(0, vocab, (n,), generator=g)
+                times = []
+                for i in range(reps + 1):
+                    t = time.perf_counter()
+                    runner.forward(x, num_logits=n)
+                    if i:
+                        times.append(time.perf_counter() - t)
+                    runner.truncate(depth)
+                row[str(n)] = round(statistics.median(times) * 1000, 2)
+                res["pass_cost_ms"][label] = row
+                write_json(result_path, res)
+            del runner
+            if not exact:
+                prompts = make_prompts(vocab, prompt_len, 2)
+                for name, gen, speculative in (
+                    ("llamacpp_target", SpeculativeGenerator(model), False),
+                    ("llamacpp_prompt_lookup", SpeculativeGenerator(model, proposer=PromptLookupProposer()), True),
+                ):
+                    try:
+                        warm = SamplingParams(temperature=0, max_new_tokens=4)
+                        gen.generate(prompts[0], warm, speculative=speculative)
+                        tokens, seconds = 0, 0.0
+                        for prompt in prompts:
+                            t = time.perf_counter()
+                            out = gen.generate(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens),
+                                               speculative=speculative)
+                            seconds += time.perf_counter() - t
+                            tokens += len(out.token_ids)
+                        res["methods"][name] = {"tok_s": round(tokens / seconds, 1), "new_tokens": tokens,
+                                                "seconds": round(seconds, 3)}
+                        if speculative:
+                            res["methods"][name]["mean_acceptance_length"] = round(out.stats.mean_acceptance_length, 2)
+                    except Exception as error:  # noqa: BLE001
+                        res["methods"][name] = {"error": error_text(error)}
+                    write_json(result_path, res)
+            del model
+        except Exception as error:  # noqa: BLE001
+            res["errors"][label] = error_text(error)
+            write_json(result_path, res)
+
+
+# --------------------------------------------------------------------------- here: GGUF header
+def gguf_header(out_dir: Path, spec: str | None = None) -> None:
+    """Write a packaged GGUF's header (metadata, vocabulary, tensor table) to ``out_dir/target.hdr`` and
+    its data size to ``target.json``: the default target's (``spec`` None), or e.g. ``"smollm2"``'s."""
+    from gguf import GGUFReader
+
+    from specdecode.models.default import packaged_gguf
+
+    model = Path(packaged_gguf(spec, "target"))
+    offset = GGUFReader(str(model)).data_offset
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(model, "rb") as f:
+        (out_dir / "target.hdr").write_bytes(f.read(offset))
+    info = {"source": model.name, "header_bytes": offset, "data_bytes": model.stat().st_size - offset}
+    (out_dir / "target.json").write_text(json.dumps(info, indent=1))
+    data_gib = info["data_bytes"] / 2**30
+    log(f"GGUF header of {model.name}: {offset / 2**20:.1f} MiB (its {data_gib:.2f} GiB of weights: random there)")
+
+
+# --------------------------------------------------------------------------- summary
+def fmt(value: Any, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def summary_markdown(res: dict[str, Any]) -> str:
+    stages = res.get("stages", {})
+    torch_res, pytest_res, llama_res = stages.get("torch", {}), stages.get("pytest", {}), stages.get("llamacpp", {})
+    card = res.get("card") or torch_res.get("device", "?")
+    versions = (f"torch {torch_res.get('torch', res.get('torch', '?'))} (CUDA {torch_res.get('cuda') or '—'}), "
+                f"transformers {torch_res.get('transformers', res.get('transformers', '?'))}, "
+                f"dtype {torch_res.get('dtype', '?')}, python {res.get('python')}")
+    lines = [f"## GPU check{' (CPU DRY RUN: tiny models; the numbers are not timings)' if res.get('dry_run') else ''}",
+             "", f"- card: {card}; {versions}", f"- wheels: {res.get('install_note', '?')}"]
+    settings = torch_res.get("settings")
+    if settings:
+        lines.append(f"- {settings['prompts']} token-id prompts of {settings['prompt_tokens']} tokens (1 random, "
+                     f"the others repetitive), {settings['new_tokens']} new tokens each, greedy, random weights")
+    counts = pytest_res.get("counts")
+    count_text = ", ".join(f"{v} {k}" for k, v in counts.items() if k != "tests") if counts else ""
+    detail = "; ".join(filter(None, [count_text, pytest_res.get("note"), pytest_res.get("exit")]))
+    lines.append(f"- tests/test_cuda.py: {pytest_res.get('status', 'not run')}{': ' + detail if detail else ''}")
+    lines += [f"  - FAILED {failure}" for failure in pytest_res.get("failed", [])[:8]]
+    if pytest_res.get("error"):
+        lines.append(f"  - {pytest_res['error']}")
+
+    lines += ["", "| method | tok/s | ratio to specdecode target alone | mean accepted | output | error |",
+              "|---|---:|---:|---:|---|---|"]
+    methods = {**torch_res.get("methods", {}), **llama_res.get("methods", {})}
+    for name, entry in methods.items():
+        base_name = "llamacpp_target" if name.startswith("llamacpp") else "specdecode_target"
+        base = methods.get(base_name, {}).get("tok_s")
+        tok_s = entry.get("tok_s")
+        ratio = f"{tok_s / base:.2f}x" if tok_s and base else "—"
+        if name.startswith("llamacpp") and tok_s and base:
+            ratio += " (of llamacpp_target)"
+        lines.append(f"| {name} | {fmt(tok_s)} | {ratio} | {fmt(entry.get('mean_acceptance_length'), 2)} | "
+                     f"{entry.get('identical_to', '')} | {entry.get('error', '')} |")
+
+    torch_depth = settings["pass_cost_depth"] if settings else "?"
+    curves = {f"torch {k}, {torch_depth} cached": v for k, v in torch_res.get("pass_cost_ms", {}).items()}
+    curves.update({f"llama.cpp {k}, {llama_res.get('pass_cost_depth', '?')} cached": v
+                   for k, v in llama_res.get("pass_cost_ms", {}).items()})
+    if curves:
+        ns = sorted({int(n) for row in curves.values() for n in row})
+        lines += ["", "Pass cost (ms, median; a forward of n tokens after the cached ones):", "",
+                  "| model | " + " | ".join(f"n={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+        lines += [f"| {label} | " + " | ".join(fmt(row.get(str(n)), 2) for n in ns) + " |"
+                  for label, row in curves.items()]
+    lines += ["", "Stages:"]
+    for name, stage in stages.items():
+        seconds = f" ({stage['seconds']} s)" if "seconds" in stage else ""
+        detail = stage.get("note") or stage.get("exit") or ""
+        lines.append(f"- {name}: {stage.get('status', '?')}{seconds}{' — ' + detail if detail else ''}")
+        lines += [f"  - {key}: {message}" for key, message in stage.get("errors", {}).items()]
+    lines.append(f"\nTotal {res.get('seconds', '?')} s of a {res.get('budget_s', '?')} s budget.")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- here and there: run
+def run_child_stage(name: str, python: str, env: dict[str, str], work: Path, limit: float,
+                    extra: list[str]) -> dict[str, Any]:
+    result_path = work / f"{name}.json"
+    args = [python, str(Path(__file__).resolve()), f"stage-{name}", str(result_path), *extra]
+    log(f"{name}: starting, limit {limit:.0f} s")
+    child = Child(args, work / f"{name}.log", env)
+    rc, timed_out = child.wait(limit)
+    try:
+        out = json.loads(result_path.read_text())
+    except (OSError, ValueError):
+        out = {"errors": {}}
+    out.setdefault("errors", {})
+    out["seconds"] = round(time.monotonic() - child.started, 1)
+    out["exit"] = describe_exit(rc, timed_out, limit)
+    failed = rc != 0 or any("error" in m for m in out.get("methods", {}).values()) or out["errors"]
+    out["status"] = "ok" if not failed else "incomplete" if rc == 0 else "failed"
+    if rc != 0:
+        out["log_tail"] = child.tail()
+        if not out["errors"]:
+            out["errors"]["process"] = f"{out['exit']}; log tail: {child.tail(3)}"
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.monotonic()
+    deadline = t_start + args.budget
+    dry = args.cpu_dry_run
+    python = sys.executable
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    env = dict(os.environ)
+    gpu_dir = (ROOT / args.gpu_dir).resolve()
+    res: dict[str, Any] = {"dry_run": dry, "budget_s": args.budget, "python": sys.version.split()[0],
+                           "install_note": args.install_note, "stages": {}, "work_dir": str(work)}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package in ("torch", "transformers"):
+        try:
+            res[package] = version(package)
+        except PackageNotFoundError:
+            res[package] = "not installed"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        res["card"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        res["card"] = None
+    if dry:
+        res["card"] = "none (CPU dry run)"
+    log(f"{'CPU DRY RUN, ' if dry else ''}card {res['card']}, torch {res['torch']}, transformers "
+        f"{res['transformers']}, budget {args.budget:.0f} s, work dir {work}")
+
+    def left(reserve: float = 5.0) -> float:
+        return deadline - time.monotonic() - reserve
+
+    def limit_for(stage_budget: float) -> float:
+        return min(stage_budget, left())
+
+    llama_env = env
+    if dry:
+        simulate = work / "simulate"
+        simulate.mkdir()
+        (simulate / "sitecustomize.py").write_text(SIMULATE_MISSING)
+        env = {**env, "PYTHONPATH": f"{simulate}:{env.get('PYTHONPATH', '')}", "GPU_CHECK_SITE": args.site,
+               "GPU_CHECK_MISSING": ",".join(MISSING_THERE), "OMP_NUM_THREADS": "1"}  # 1: a shared box's cores
+        log(f"dry run: {', '.join(MISSING_THERE)} importable only from {args.site} (as on the GPU machine)")
+    limits = {"pytest": 60, "torch": 60, "llamacpp": 90, "build": 15} if dry else \
+        {"pytest": 120, "torch": 180, "llamacpp": 75, "build": args.budget}
+    build: Child | str | None = None
+    if args.llamacpp:
+        try:
+            build = start_llamacpp_build(python, gpu_dir, args.site, work, dry)
+        except Exception as error:  # noqa: BLE001
+            build = f"could not start the build: {error_text(error)}"
+
+    # a: the CUDA tests (the build runs beside them)
+    if "pytest" not in args.stages:
+        res["stages"]["pytest"] = {"status": "skipped", "note": "not asked for (--stages)"}
+    else:
+        try:
+            res["stages"]["pytest"] = stage_pytest(python, env, limit_for(limits["pytest"]), work, dry)
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["pytest"] = {"status": "failed", "error": error_text(error)}
+
+    # b: timings on torch (the build paused: it would compete for the CPU that launches the kernels)
+    if isinstance(build, Child):
+        build.signal(signal.SIGSTOP)
+        paused = time.monotonic()
+    if "torch" not in args.stages:
+        res["stages"]["torch"] = {"status": "skipped", "note": "not asked for (--stages)"}
+    elif left() > 10:
+        try:
+            res["stages"]["torch"] = run_child_stage("torch", python, env, work, limit_for(limits["torch"]),
+                                                     ["--cpu-dry-run"] if dry else [])
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["torch"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+    else:
+        res["stages"]["torch"] = {"status": "skipped", "note": "out of time budget"}
+    if isinstance(build, Child):
+        build.paused_s = time.monotonic() - paused
+        build.signal(signal.SIGCONT)
+
+    # c: llama.cpp: finish the build within what is left, then time the GGUF
+    if args.llamacpp:
+        res["stages"]["llamacpp"] = stage_llamacpp_all(build, python, llama_env, work, gpu_dir, dry, limits, left)
+
+    shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
+    res["seconds"] = round(time.monotonic() - t_start, 1)
+    text = summary_markdown(res)
+    print("\n" + text, flush=True)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "gpu_check.json").write_text(json.dumps(res, indent=1))
+        (Path(out_dir) / "gpu_check.md").write_text(text + "\n")
+        log(f"wrote {out_dir}/gpu_check.json and gpu_check.md")
+    return 0
+
+
+def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, str], work: Path, gpu_dir: Path,
+                       dry: bool, limits: dict[str, float], left: Callable[..., float]) -> dict[str, Any]:
+    out: dict[str, Any] = {"errors": {}}
+    if isinstance(build, str) or build is None:
+        out["build"] = f"not built: {build}"
+    else:
+        ran = time.monotonic() - build.started - build.paused_s
+        # what is left of the build's own budget, keeping time for the timing after it
+        limit = max(min(limits["build"] - ran, left(5.0 + 0.6 * limits["llamacpp"])), 0.1)
+        rc, timed_out = build.wait(limit)
+        spent = time.monotonic() - build.started - build.paused_s
+        out["build_s"] = round(spent, 1)
+        if rc == 0:
+            out["build"] = f"built in {spent:.0f} s (CUDA)" if not dry else f"built in {spent:.0f} s (CPU)"
+        elif timed_out:
+            out["build"] = (f"skipped: the build did not finish within its {spent:.0f} s budget (CUDA builds are slow;"
+                            " give more with --budget)")
+        else:
+            why = describe_exit(rc, timed_out, limit)
+            out["build"] = f"build failed ({why}): {build.tail(1)} (log {build.log_path})"
+    built = out.get("build", "").startswith("built")
+    if not built and not dry:
+        out["status"] = "skipped"
+        out["note"] = out["build"]
+        return out
+    if dry and not built:  # pip --target writes nothing until the build is done: .venv's llama_cpp is used
+        out["note"] = f"{out['build']}; dry run: llama_cpp from .venv"
+    header, info_path = gpu_dir / "target.hdr", gpu_dir / "target.json"
+    if dry:  # SmolLM2-135M's layout instead of the 1.5B target's: the same path, seconds on 2 cores
+        try:
+            gguf_header(work, "smollm2")
+            header, info_path = work / "target.hdr", work / "target.json"
+        except Exception as error:  # noqa: BLE001
+            out["errors"]["smollm2 header"] = f"{error_text(error)}; the default target's header is used"
+    if not header.is_file() or not info_path.is_file():
+        out.update(status="skipped", note=f"no GGUF header in {gpu_dir} (prepare makes it)")
+        return out
+    source = json.loads(info_path.read_text())["source"]
+    gguf = work / f"random-{source}"
+    try:
+        t0 = time.monotonic()
+        fill_gguf(header, int(json.loads(info_path.read_text())["data_bytes"]), gguf)
+        out["gguf"] = f"{source}'s layout, random weights"
+        out["fill_s"] = round(time.monotonic() - t0, 1)
+    except Exception as error:  # noqa: BLE001
+        out.update(status="failed", note=f"could not write the GGUF: {error_text(error)}")
+        return out
+    if left() < 10:
+        out.update(status="skipped", note="out of time budget after the build")
+        return out
+    timed = run_child_stage("llamacpp", python, env, work, min(limits["llamacpp"], left()),
+                            [str(gguf), *(["--cpu-dry-run"] if dry else [])])
+    try:
+        gguf.unlink()
+    except OSError:
+        pass
+    timed["note"] = "; ".join(filter(None, [out.get("note") or out.get("build"), timed.get("note")]))
+    timed["errors"].update(out["errors"])
+    return {**out, **timed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="the whole check (the GPU machine; --cpu-dry-run here)")
+    p_run.add_argument("--cpu-dry-run", action="store_true", help="tiny models on the CPU: every code path, no timings")
+    p_run.add_argument("--llamacpp", action="store_true", help="also build llama-cpp-python with CUDA and time a GGUF")
+    p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch"},
+                       help="comma-separated stages among pytest,torch (default both; --llamacpp adds llama.cpp)")
+    p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
+                       help="seconds for everything (default 360)")
+    p_run.add_argument("--site", default="/tmp/site", help="where the carried wheels were installed")
+    p_run.add_argument("--gpu-dir", default=".gpu", help="the carried folder")
+    p_run.add_argument("--install-note", default="", help="what gpu_check.sh installed (for the summary)")
+    p_header = sub.add_parser("gguf-header", help="here: the default target GGUF's header into DIR")
+    p_header.add_argument("dir", type=Path)
+    p_torch = sub.add_parser("stage-torch", help=argparse.SUPPRESS)
+    p_torch.add_argument("result", type=Path)
+    p_torch.add_argument("--cpu-dry-run", action="store_true")
+    p_llama = sub.add_parser("stage-llamacpp", help=argparse.SUPPRESS)
+    p_llama.add_argument("result", type=Path)
+    p_llama.add_argument("gguf", type=Path)
+    p_llama.add_argument("--cpu-dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args)
+    if args.command == "gguf-header":
+        gguf_header(args.dir)
+        return 0
+    if args.command == "stage-torch":
+        stage_torch(args.result, args.cpu_dry_run)
+        return 0
+    stage_llamacpp(args.result, args.gguf, args.cpu_dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
