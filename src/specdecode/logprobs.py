@@ -107,11 +107,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int] | torch.Tensor
     V = logits.shape[1]
     if min(ids) < 0 or max(ids) >= V:
         raise ValueError(f"token ids must be in [0, {V}), got {ids}")
-    logp = torch.log_softmax(logits[:m].float(), dim=-1)  # (m', V) float32
-    chosen = logp.gather(1, torch.tensor(ids, device=logp.device).view(m, 1))[:, 0].tolist()  # (m',)
-    if num_top:
-        top_lp, top_ids = torch.topk(logp, min(num_top, V), dim=-1)  # (m', N)
-        tops = [tuple(zip(i, lp, strict=True)) for i, lp in zip(top_ids.tolist(), top_lp.tolist(), strict=True)]
-    else:
-        tops = [()] * m
-    return [TokenLogprob(t, lp, top) for t, lp, top in zip(ids, chosen, tops, strict=True)]
+    logp = torch.log_softmax(logits[:m].float(), dim=-1)  # (m', V) float32, on the logits' device
+    chosen = logp.gather(1, torch.tensor(ids, device=logp.device).view(m, 1))  # (m', 1)
+    N = min(num_top, V)
+    top_lp, top_ids = torch.topk(logp, N, dim=-1)  # (m', N)
+    # one host copy (docs/design.md §2b): float64 holds the float32 log-probabilities and the ids exactly
+    rows = torch.cat([chosen.double(), top_lp.double(), top_ids.double()], dim=1).tolist()  # (m', 1 + 2N)
+    tops = [tuple((int(t), lp) for t, lp in zip(row[1 + N :], row[1 : 1 + N], strict=True)) for row in rows]
+    chosen_lp = [row[0] for row in rows]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(ids, chosen_lp, tops, strict=True)]

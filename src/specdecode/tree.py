@@ -345,10 +345,14 @@ class DraftTree:
 Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
 
 
-def _top(scores: torch.Tensor, width: int, columns: torch.Tensor | None) -> tuple[list[int], list[float]]:
-    values, index = scores.topk(min(width, scores.shape[-1]))  # (w,), best first
+def _top(scores: torch.Tensor, width: int, columns: torch.Tensor | None) -> list[tuple[list[int], list[float]]]:
+    """Per row of ``scores`` ``[m, C]`` (any device; ``columns`` on the same), its ``width`` best
+    ``(tokens, scores)``, best first, in one host copy for all rows (float64 holds float32 scores
+    and the ids exactly)."""
+    values, index = scores.topk(min(width, scores.shape[-1]), dim=-1)  # (m, w), best first
     tokens = index if columns is None else columns[index]
-    return tokens.tolist(), values.tolist()
+    host = torch.stack([tokens.double(), values.double()]).tolist()  # (2, m, w)
+    return [([int(t) for t in ts], vs) for ts, vs in zip(host[0], host[1], strict=True)]
 
 
 def build_static_tree(
@@ -372,13 +376,14 @@ def build_static_tree(
     ranks = shape.ranks.tolist()
     depths = shape.depths.tolist()
     ids: list[int] = []
-    candidates: dict[int, list[int]] = {0: _top(root_scores, widths[0], columns)[0]}
+    candidates: dict[int, list[int]] = {0: _top(root_scores.view(1, -1), widths[0], columns)[0][0]}
     for node in range(1, shape.num_nodes + 1):
         if depths[node] > 1 and parents[node - 1] not in candidates:  # first node of a new depth
             level = [n for n in range(1, node) if depths[n] == depths[node] - 1 and widths[n] > 0]
             scores = expand(level, ids, parents[: node - 1])  # (len(level), C)
-            for row, n in enumerate(level):
-                candidates[n] = _top(scores[row], widths[n], columns)[0]
+            ranked = _top(scores, max(widths[n] for n in level), columns)  # one copy for the depth
+            for (tokens, _), n in zip(ranked, level, strict=True):
+                candidates[n] = tokens[: widths[n]]
         options = candidates[parents[node - 1]]
         ids.append(options[min(ranks[node - 1], len(options) - 1)])  # a vocabulary smaller than the width repeats
     return DraftTree(torch.tensor(ids, dtype=torch.int64), shape.parents.clone())
@@ -415,8 +420,7 @@ def build_dynamic_tree(
         else:
             rows = expand(frontier, ids, parents)  # (len(frontier), C)
         level: list[int] = []
-        for row, parent in enumerate(frontier):
-            tokens, values = _top(rows[row], spec.top_k, columns)
+        for (tokens, values), parent in zip(_top(rows, spec.top_k, columns), frontier, strict=True):
             for token, value in zip(tokens, values, strict=True):
                 if value == float("-inf"):
                     break

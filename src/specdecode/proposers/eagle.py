@@ -132,10 +132,11 @@ class EagleProposer(ProposerBase):
         int64 ``[m]``, optional bool ``mask [m, cached + m]`` -> predicted features ``[m, H]``."""
         m = int(tokens.shape[0])
         attention = None
-        if mask is not None:
-            dtype = self.drafter.fc.weight.dtype
-            additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)  # (m, L)
-            attention = {"full_attention": additive.view(1, 1, *mask.shape).to(self.device)}  # (1, 1, m, L)
+        if mask is not None:  # moved as bool, the additive mask built on the device
+            dtype, allowed = self.drafter.fc.weight.dtype, mask.to(self.device)
+            additive = torch.zeros(mask.shape, dtype=dtype, device=self.device)
+            additive.masked_fill_(~allowed, torch.finfo(dtype).min)  # (m, L)
+            attention = {"full_attention": additive.view(1, 1, *mask.shape)}  # (1, 1, m, L)
         out = self.drafter(
             features.view(1, m, -1),  # (1, m, H)
             tokens.view(1, m).to(self.device),  # (1, m)
@@ -196,7 +197,8 @@ class EagleProposer(ProposerBase):
         self._crop(T - 1)  # drop the entries made from predicted features
         if not ids:
             return DraftTokens.empty()
-        return DraftTokens(torch.cat(ids), torch.stack(probs) if probs else None)  # (k,), (k, V) | None
+        # ids: one copy to the host for the whole draft; probs stay on the drafter's device
+        return DraftTokens(torch.cat(ids).cpu(), torch.stack(probs) if probs else None)  # (k,), (k, V) | None
 
     @torch.inference_mode()
     def propose_tree(

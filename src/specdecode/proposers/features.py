@@ -302,18 +302,19 @@ def pick_token(
         confidence: also compute the top probability (for ``draft_confidence``).
 
     Returns:
-        ``(token, q, top)``: int64 ``[1]`` full-vocabulary id on the CPU; float32 ``[V]`` the
+        ``(token, q, top)``: int64 ``[1]`` full-vocabulary id on the drafter's device (a caller
+        drafting k tokens copies them to the host once, docs/design.md §2b); float32 ``[V]`` the
         distribution it was sampled from (zero outside the map), or None when greedy; the top
-        probability over the map (0.0 unless ``confidence``).
+        probability over the map (0.0 unless ``confidence``: reading it is a host copy).
     """
     if sampling.greedy:
         j = logits.argmax().view(1)  # (1,)
         top = float(torch.softmax(logits.float(), -1)[j]) if confidence else 0.0
-        return head_ids[j].cpu(), None, top
+        return head_ids[j], None, top
     q = logits_to_probs(logits, sampling)  # (N,)
     j = sample(q, generator).view(1)  # (1,)
     full = q.new_zeros(vocab_size).index_copy_(0, head_ids, q)  # (V,)
-    return head_ids[j].cpu(), full, float(q.max()) if confidence else 0.0
+    return head_ids[j], full, float(q.max()) if confidence else 0.0
 
 
 def rank_scores(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

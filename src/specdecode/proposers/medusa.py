@@ -152,7 +152,8 @@ class MedusaProposer(ProposerBase):
                 probs.append(q)
         if not ids:
             return DraftTokens.empty()
-        return DraftTokens(torch.cat(ids), torch.stack(probs) if probs else None)  # (k,), (k, V) | None
+        # ids: one copy to the host for the whole draft; probs stay on the drafter's device
+        return DraftTokens(torch.cat(ids).cpu(), torch.stack(probs) if probs else None)  # (k,), (k, V) | None
 
     def propose_tree(
         self,
