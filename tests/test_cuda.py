@@ -1,0 +1,190 @@
+"""The engine on a real GPU (docs/design.md §2b, "Device policy"): float32 tiny models on CUDA.
+
+Skipped where ``torch.cuda.is_available()`` is False. ``SPECDECODE_TEST_DEVICE`` picks another
+device for a dry run of this module's logic: ``cpu``, or ``stand-in`` (the stand-in accelerator of
+``fake_device.py``, which raises where CUDA would)::
+
+    SPECDECODE_TEST_DEVICE=cpu pytest tests/test_cuda.py
+
+Checks: greedy identity with target-only decoding on the device for every proposer (chains, and
+trees where the proposer drafts them), and the same tokens as the CPU; the sampled distribution of
+the first three tokens (chi-square against the exact target-only marginals, as in
+``test_lossless.py``); log-probabilities equal to the CPU's within 1e-4; a constraint; the
+server's batched scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.constraints import Regex
+from specdecode.proposers import DraftModelProposer
+
+from conftest import make_tiny_model, perturbed_copy
+from device_cases import CHAIN_KINDS, GREEDY, PROMPT, TREE_KINDS, make_generator, make_models, place, tokens
+from reference import exact_marginals
+from stat_checks import P_MIN, chi_square_p
+
+REQUESTED = os.environ.get("SPECDECODE_TEST_DEVICE", "cuda")
+if REQUESTED == "stand-in":
+    from fake_device import STAND_IN, stand_in_device
+
+    DEVICE = STAND_IN
+else:
+    DEVICE = torch.device(REQUESTED)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device (SPECDECODE_TEST_DEVICE=cpu runs this module on the CPU)", allow_module_level=True)
+
+
+@contextlib.contextmanager
+def on_device() -> Iterator[None]:
+    """The block where device tensors may exist (the stand-in device needs its mode; a real one nothing)."""
+    if REQUESTED == "stand-in":
+        with stand_in_device():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(tiny_tokenizer) -> dict[str, Any]:
+    return make_models(tiny_tokenizer)
+
+
+def on(models: dict[str, Any]) -> dict[str, Any]:
+    placed = place(models, DEVICE)
+    assert placed["target"].device == DEVICE
+    return placed
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy(models, tiny_tokenizer) -> list[int]:
+    """Target-only greedy tokens on the CPU."""
+    return tokens(make_generator("none", models, tiny_tokenizer), GREEDY)
+
+
+# ------------------------------------------------------------------ greedy: every proposer
+@pytest.mark.parametrize(
+    ("kind", "tree"), [(k, None) for k in CHAIN_KINDS] + [(k, "default") for k in TREE_KINDS], ids=str
+)
+def test_greedy_equals_target_only_on_the_device(models, tiny_tokenizer, cpu_greedy, kind: str, tree) -> None:
+    with on_device():
+        placed = on(models)
+        alone = tokens(make_generator("none", placed, tiny_tokenizer), GREEDY)
+        generator = make_generator(kind, placed, tiny_tokenizer)
+        result = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none")
+    assert result.token_ids == alone
+    assert alone == cpu_greedy  # float32, clear maxima: the device's rounding changes no argmax
+    assert (result.stats.draft_tokens > 0) == (kind != "none")  # the speculative path really ran
+    if kind in ("draft_model", "early_exit", "hybrid", "prompt_lookup"):
+        assert result.stats.accepted_tokens > 0
+
+
+# ------------------------------------------------------------------ sampled: the distribution
+V_SMALL = 12
+SAMPLING = SamplingParams(temperature=0.8, top_k=9, top_p=0.95, max_new_tokens=3)
+SAMPLES = 1_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    target = make_tiny_model(vocab_size=V_SMALL, seed=5, init=0.3)
+    return target, perturbed_copy(target, noise=0.1, seed=6)
+
+
+@pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
+def test_sampled_tokens_follow_the_target(small_vocab_pair, tree) -> None:
+    """Temperature 0.8, top-k 9, top-p 0.95, a partly agreeing draft: the first three tokens on
+    the device follow the exact target-only marginals (computed on the CPU in float64; chi-square
+    p > P_MIN, 1,000 seeded samples), with a chain (k = 2) and a tree."""
+    target, draft = small_vocab_pair
+    prompt = [3, 1, 4]
+    exact = exact_marginals(target, prompt, 3, SAMPLING)
+    with on_device():
+        placed = place({"target": target, "draft": draft}, DEVICE)
+        spec = SpeculativeGenerator(placed["target"], proposer=DraftModelProposer(placed["draft"]))
+        samples = [
+            spec.generate(
+                prompt, SamplingParams(**{**SAMPLING.__dict__, "seed": s}), num_speculative_tokens=2, tree=tree
+            )
+            for s in range(SAMPLES)
+        ]
+    drafted = sum(r.stats.draft_tokens for r in samples)
+    assert drafted > 0 and 0 < sum(r.stats.accepted_tokens for r in samples) < drafted
+    for pos in range(3):
+        assert chi_square_p([r.token_ids[pos] for r in samples], exact[pos]) > P_MIN, f"position {pos}"
+
+
+def test_a_seed_gives_the_cpu_tokens_on_the_device(models, tiny_tokenizer) -> None:
+    """The randomness lives on the CPU generator: the same seed draws the same uniforms on every
+    device, so the tokens agree with the CPU's (all but rare ties at a cumulative-mass boundary:
+    at most one prompt of eight may differ)."""
+    sampling = [SamplingParams(temperature=0.9, max_new_tokens=16, seed=s) for s in range(8)]
+    cpu = [tokens(make_generator("draft_model", models, tiny_tokenizer), s) for s in sampling]
+    with on_device():
+        generator = make_generator("draft_model", on(models), tiny_tokenizer)
+        device = [tokens(generator, s) for s in sampling]
+    assert sum(a != b for a, b in zip(cpu, device, strict=True)) <= 1
+
+
+# ------------------------------------------------------------------ log-probabilities, constraint, server
+@pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
+def test_logprobs_equal_the_cpu(models, tiny_tokenizer, tree) -> None:
+    def run(placed: dict[str, Any]) -> list:
+        generator = make_generator("draft_model", placed, tiny_tokenizer)
+        return generator.generate(PROMPT, GREEDY, raw=True, tree=tree, logprobs=3).logprobs
+
+    cpu = run(models)
+    with on_device():
+        device = run(on(models))
+    assert [e.token_id for e in device] == [e.token_id for e in cpu]
+    for a, b in zip(device, cpu, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
+
+
+@pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
+def test_a_constraint_on_the_device(models, tiny_tokenizer, tree) -> None:
+    """Constrained greedy decoding with speculation equals constrained target-only decoding on the
+    device and the CPU's, and matches the pattern."""
+    constraint = Regex(r"(def|class) [a-z]{1,8}\(\):")
+    cpu = make_generator("none", models, tiny_tokenizer).generate(
+        PROMPT, GREEDY, raw=True, speculative=False, constraint=constraint
+    )
+    with on_device():
+        generator = make_generator("draft_model", on(models), tiny_tokenizer)
+        alone = generator.generate(PROMPT, GREEDY, raw=True, speculative=False, constraint=constraint)
+        got = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, constraint=constraint)
+    assert got.token_ids == alone.token_ids == cpu.token_ids
+    assert got.text.startswith(("def ", "class "))
+
+
+def test_the_batched_scheduler_on_the_device(models, tiny_tokenizer) -> None:
+    """The server's path: greedy rows (draft model, prompt lookup, none) equal target-only decoding;
+    a sampled row runs; rows join mid-run."""
+    from test_serve_scheduler import Client, make, reference, run
+
+    ps = [tiny_tokenizer.encode(t) for t in ("def add(a, b):", "for i in range(10):", "class Stack:", PROMPT)]
+    with on_device():
+        placed = on(models)
+        scheduler = make((placed["target"], placed["draft"]), tiny_tokenizer, speculation="on")
+        assert scheduler.runner.device == DEVICE
+        greedy = [Client(ps[0], 16), Client(ps[1], 12, speculative=False), Client(ps[3], 16, proposer="prompt_lookup")]
+        sampled = Client(ps[2], 14, temperature=0.9, seed=5, logprobs=2)
+        scheduler.submit(greedy[0].req)
+        scheduler.run_once()
+        for c in greedy[1:] + [sampled]:
+            scheduler.submit(c.req)
+        run(scheduler)
+    target = models["target"]
+    for c in greedy:
+        assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
+    assert sampled.final is not None and len(sampled.tokens) > 0
