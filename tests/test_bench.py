@@ -137,10 +137,27 @@ def test_quick_fills_only_unset_options():
 
     args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "32"])
     quick = {"max_new_tokens": 32, "prompts_per_category": 1, "methods": "target,draft_model,hf_assisted"}
-    assert _options(args) == quick
+    assert _options(args, "torch") == quick
+    assert _options(args, "llamacpp") == {**quick, "methods": "target,prompt_lookup(min_ngram=3),llamacpp"}
+    drafted = build_parser().parse_args(["bench", "--quick", "--draft", "some.gguf"])
+    assert _options(drafted, "llamacpp")["methods"] == "target,draft_model,llamacpp"  # a named draft drafts
+    given = build_parser().parse_args(["bench", "--quick", "--methods", "target"])
+    assert _options(given, "llamacpp")["methods"] == "target"
     assert _options(build_parser().parse_args(["bench"]))["max_new_tokens"] == 128
     with pytest.raises(ValueError, match="temperature"):
         BenchSettings(temperature=-1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "llamacpp"])
+def test_quick_methods_run_on_their_backend(backend):
+    """``bench --quick`` must not stop at once: every method it picks runs on the resolved backend."""
+    from specdecode.bench.methods import split_methods
+    from specdecode.commands.bench import quick_methods
+
+    variants = expand(split_methods(quick_methods(backend)), [None])
+    assert len(variants) == 3 and variants[0].label == "target"
+    assert all(backend in v.method.backends for v in variants), [v.label for v in variants]
+    assert sum(v.method.peer for v in variants) == 1  # one peer engine beside ours
 
 
 # ----------------------------------------------------------------------------- metrics by hand

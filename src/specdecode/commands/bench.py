@@ -2,7 +2,7 @@
 
 Examples::
 
-    specdecode bench --quick                                  # 1 prompt per category, 64 tokens
+    specdecode bench --quick                                  # 1 prompt per category, 64 tokens, 3 methods
     specdecode bench -k 2,4,6,8 --prompts-per-category 10 --methods target,draft_model
     specdecode bench --temperature 0.7 --repeats 3 --out bench-results/sampled
     specdecode bench --report bench-results/20250101-120000/results.json   # re-render, no models
@@ -21,7 +21,10 @@ from typing import Any
 
 from specdecode.commands.common import PROPOSER_KS, add_backend_args, add_command_parser, add_model_args
 
-QUICK = {"prompts_per_category": 1, "max_new_tokens": 64, "methods": "target,draft_model,hf_assisted"}
+QUICK = {"prompts_per_category": 1, "max_new_tokens": 64}
+QUICK_PEERS = {"torch": "hf_assisted", "llamacpp": "llamacpp"}
+"""``--quick``'s peer per backend: what a user of that backend runs without us (llama-cpp-python's own
+plain decoding of the target's GGUF file; transformers' assisted generation with the same draft)."""
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -87,7 +90,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     b.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed of the first repeat (default 0)")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    quick = "the shortest prompt per category, 64 tokens, methods target,draft_model,hf_assisted"
+    quick = (
+        "the shortest prompt per category, 64 tokens, methods: target, the backend's default proposer and "
+        "its peer (llamacpp: target,prompt_lookup(min_ngram=3),llamacpp; torch: target,draft_model,hf_assisted)"
+    )
     b.add_argument("--quick", action="store_true", help=quick)
     b.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<timestamp>)")
     b.add_argument("--report", metavar="RESULTS_JSON", help="re-render tables and plots from a saved results.json")
@@ -121,11 +127,23 @@ def parse_ks(text: str) -> list[int]:
     return [check_num_speculative_tokens(k) for k in dict.fromkeys(ks)]
 
 
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    """The effective options: ``--quick`` fills what the user left unset."""
+def quick_methods(backend: str, draft: str | None = None) -> str:
+    """``--quick``'s methods on ``backend`` (a resolved one): the target alone, the proposer ``generate``
+    runs by default there (:func:`~specdecode.models.backends.default_proposer`, with its options:
+    ``prompt_lookup(min_ngram=3)`` on llama.cpp, ``draft_model`` on torch or with ``--draft``) and
+    the backend's peer (:data:`QUICK_PEERS`): only methods ``backend`` runs."""
+    from specdecode.models.backends import default_proposer
+
+    name, options = default_proposer(backend, draft)
+    proposer = name + (f"({','.join(f'{key}={value}' for key, value in options.items())})" if options else "")
+    return ",".join(["target", proposer, QUICK_PEERS[backend]])
+
+
+def _options(args: argparse.Namespace, backend: str = "torch") -> dict[str, Any]:
+    """The effective options on the resolved ``backend``: ``--quick`` fills what the user left unset."""
     defaults = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "prompts_per_category": None, "methods": None}
     if args.quick:
-        defaults.update(QUICK)
+        defaults.update(QUICK, methods=quick_methods(backend, args.draft))
     given = {key: getattr(args, key) for key in defaults}
     return {key: defaults[key] if value is None else value for key, value in given.items()}
 
@@ -197,16 +215,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.methods import BenchSettings, expand, split_methods
     from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import environment, run_bench, save_results
+    from specdecode.models.backends import resolve_backend
 
-    opts = _options(args)  # validate cheap input before loading anything
+    backend = resolve_backend(args.backend, args.target, args.dtype)
+    opts = _options(args, backend)  # validate cheap input before loading anything
     if args.repeats < 1 or (opts["prompts_per_category"] is not None and opts["prompts_per_category"] < 1):
         raise ValueError("--repeats and --prompts-per-category must be >= 1")
     settings = BenchSettings(temperature=args.temperature, max_new_tokens=opts["max_new_tokens"], seed=args.seed)
     sweep = args.num_speculative_tokens
     ks: list[int | None] = [None] if sweep is None else list(parse_ks(sweep))  # None: each proposer's default
-    from specdecode.models.backends import resolve_backend
-
-    backend = resolve_backend(args.backend, args.target, args.dtype)
     names = split_methods(opts["methods"]) if opts["methods"] else default_methods(args.target, backend)
     variants = expand(names, ks)
     for variant in variants:
