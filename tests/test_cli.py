@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -183,3 +184,22 @@ def test_the_registry_lists_every_command_as_its_parser_does() -> None:
     (sub,) = [a for a in lazy._actions if isinstance(a, argparse._SubParsersAction)]
     assert sub.choices["generate"].get_default("func") is not None  # the command named: its own parser
     assert sub.choices["bench"].get_default("func") is None  # the others: listed only
+
+
+def test_auto_proposer_follows_the_options_given() -> None:
+    """``--proposer auto`` (the default): the backend's default proposer with its options, unless the
+    options given are the draft model's only (README: ``generate "..." --prompt-lookup-min 2``)."""
+    from specdecode.commands.common import resolve_auto_proposer
+    from specdecode.commands.main import build_parser
+
+    def resolved(*flags: str) -> argparse.Namespace:
+        args = build_parser().parse_args(["generate", "x", "--backend", "llamacpp", *flags])
+        resolve_auto_proposer(args)
+        return args
+
+    plain = resolved()
+    assert (plain.proposer, plain.min_ngram) == ("prompt_lookup", 3)
+    assert (resolved("--min-ngram", "2").proposer, resolved("--min-ngram", "2").min_ngram) == ("prompt_lookup", 2)
+    drafted = resolved("--prompt-lookup-min", "2")
+    assert (drafted.proposer, drafted.prompt_lookup_min, drafted.min_ngram) == ("draft_model", 2, None)
+    assert resolved("--proposer", "suffix").proposer == "suffix"  # a named proposer stays

@@ -104,12 +104,22 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_auto_proposer(args: argparse.Namespace) -> None:
     """``--proposer auto``: the backend's measured best (:func:`specdecode.models.backends.default_proposer`),
-    its options set where the user set none; other proposers stay as they are."""
+    its options set where the user set none; ``draft_model`` instead when the options given are the
+    draft model's and not the default's (``--prompt-lookup-min 2`` asks for the draft, as ``--draft``
+    does); other proposers stay as they are."""
     if args.proposer != "auto":
         return
     from specdecode.models.backends import default_proposer, resolve_backend
+    from specdecode.proposers import PROPOSERS
 
+    def takes(name: str) -> set[str]:
+        return {f.name for f in dataclasses.fields(PROPOSERS[name].config)}
+
+    every = set().union(*(takes(name) for name in PROPOSERS))
+    given = {option for option in every if getattr(args, option, None) is not None}
     args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
+    if not given <= takes(args.proposer) and given <= takes("draft_model"):
+        args.proposer, defaults = "draft_model", {}
     for option, value in defaults.items():  # options the user set win
         if getattr(args, option, None) is None:
             setattr(args, option, value)
