@@ -120,6 +120,46 @@ def check_num_speculative_tokens(k: int) -> int:
     return k
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """The parameters of one generation, checked once (:func:`check_request`).
+
+    Attributes:
+        num_speculative_tokens: k in [1, 64], or None for the proposer's own.
+        tree: the compiled tree (:func:`~specdecode.tree.parse_tree`), or None for chains.
+        logprobs: N in [0, 20], or None for none.
+    """
+
+    num_speculative_tokens: int | None = None
+    tree: TreeSpec | None = None
+    logprobs: int | None = None
+
+
+def check_request(
+    prompt: str | Sequence[int] | None,
+    num_speculative_tokens: int | None = None,
+    tree: str | TreeSpec | None = None,
+    logprobs: int | None = None,
+    names: dict[str, str] | None = None,
+) -> CheckedRequest:
+    """Check a generation's parameters once, before any model is needed (arguments as in
+    :meth:`SpeculativeGenerator.generate`; ``prompt`` None: not checked; ``names``: how messages
+    name a parameter, e.g. ``{"logprobs": "--logprobs"}``).
+
+    Raises:
+        ValueError: an empty string prompt, k outside [1, 64], a bad tree, or ``logprobs`` outside
+            [0, 20] (the message names the parameter).
+    """
+    names = names or {}
+    if isinstance(prompt, str) and not prompt:
+        raise ValueError(f"{names.get('prompt', 'prompt')} must not be empty")
+    if num_speculative_tokens is not None:
+        check_num_speculative_tokens(num_speculative_tokens)
+    spec_tree = parse_tree(tree) if tree is not None else None
+    check_num_logprobs(logprobs, names.get("logprobs", "logprobs"))
+    return CheckedRequest(num_speculative_tokens, spec_tree, logprobs)
+
+
 class SpeculativeGenerator:
     """Lossless speculative decoding with a target model and a proposer.
 
@@ -151,17 +191,32 @@ class SpeculativeGenerator:
     ) -> None:
         if draft is not None and proposer is not None:
             raise ValueError("give either draft= or proposer=, not both")
-        self.target = make_runner(target)
-        self.backend = backend_of(target)
-        self.tokenizer = tokenizer
+        self._setup(target, tokenizer)
         if draft is not None:
             proposer = DraftModelProposer(draft)
         if proposer is not None:
             check_proposer(proposer)
+            if proposer.needs_target_features:  # declared by the runner, refused naming both
+                self.target.capabilities.require("returns_hidden", self.target, f"proposer {proposer.name!r}")
             check_shared_vocabulary(self.target, proposer)
+        self.proposer = proposer
+
+    def _setup(self, target: PreTrainedModel | Any, tokenizer: Any, proposer: Proposer | None = None) -> None:
+        """The target's runner, tokenizer and EOS ids, and ``proposer`` as it is (checked by the caller)."""
+        self.target = make_runner(target)
+        self.backend = backend_of(target)
+        self.tokenizer = tokenizer
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
+
+    @classmethod
+    def from_loaded(cls, loaded: Any) -> SpeculativeGenerator:
+        """A generator of models :func:`specdecode.load.load_models` loaded (its ``built`` proposer),
+        without asking the vocabulary rule again: the load path asked it once."""
+        generator = cls.__new__(cls)
+        generator._setup(loaded.target, loaded.tokenizer, loaded.built)
+        return generator
 
     @classmethod
     def from_pretrained(
@@ -191,10 +246,14 @@ class SpeculativeGenerator:
                 ``"prompt_lookup"``, ...), None for a target-only generator, or ``"auto"`` (default):
                 ``draft_model`` when a ``draft`` is named, else the backend's measured best
                 (:data:`~specdecode.models.backends.DEFAULT_PROPOSER`: ``prompt_lookup`` after 3-token
-                matches on llama.cpp, ``draft_model`` on torch), options given here taking precedence.
+                matches on llama.cpp, ``draft_model`` on torch), options given here taking precedence
+                (options of the draft model's only, such as ``prompt_lookup_min``, ask for ``draft_model``).
             backend: ``"auto"``, ``"torch"`` or ``"llamacpp"``
                 (:func:`~specdecode.models.backends.resolve_backend`: ``auto`` runs ``.gguf`` files
-                and the default pair on llama.cpp on a CPU, Hugging Face folders and GPUs on torch).
+                and the default pair on llama.cpp on a CPU, Hugging Face folders and GPUs on torch;
+                a proposer llama.cpp cannot serve runs on torch, as in ``specdecode serve``). The
+                load path is :mod:`specdecode.load` (:func:`~specdecode.load.plan_models`, then
+                :func:`~specdecode.load.load_models`).
             threads: CPU threads of the llamacpp backend (None: every core this process may use).
             exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
                 decoding on this backend (:mod:`specdecode.models.llamacpp`); False takes llama.cpp's
@@ -209,78 +268,10 @@ class SpeculativeGenerator:
                 backend cannot serve (the message names both).
             IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
-        from specdecode.models.backends import default_proposer, resolve_backend
-        from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
-        from specdecode.proposers import PROPOSERS
-        from specdecode.proposers.vocabulary import draft_proposer
+        from specdecode.load import load_models, plan_models
 
-        parse_dtype(dtype)
-        chosen_backend = resolve_backend(backend, target, dtype)
-        if proposer == "auto":
-            proposer, defaults = default_proposer(chosen_backend, draft)
-            proposer_options = {**defaults, **proposer_options}
-        if proposer is not None and proposer not in PROPOSERS:
-            raise ValueError(f"proposer must be one of {sorted(PROPOSERS)} or None, got {proposer!r}")
-        spec = PROPOSERS[proposer] if proposer is not None else None
-        if spec is None and proposer_options:
-            raise ValueError(f"proposer options {sorted(proposer_options)} given without a proposer")
-        config = spec.make_config(**proposer_options) if spec is not None else None  # bad options fail early
-        if chosen_backend == "llamacpp":
-            auto = backend == "auto"  # auto: what llama.cpp cannot serve runs on torch, as before
-            if not (auto and spec is not None and "llamacpp" not in spec.backends):
-                return cls._from_gguf(target, draft, spec, config, threads, exact, proposer_options)
-        target_dir = resolve_model_dir(target, "target")  # every path checked before any weights load
-        draft_dir = resolve_model_dir(draft, "draft") if spec is not None and spec.needs_draft else None
-        chosen = draft_proposer(proposer, target_dir, draft_dir, announce="specdecode")
-        if chosen != proposer:  # a draft of another vocabulary: cross_tokenizer
-            spec = PROPOSERS[chosen]
-            config = spec.make_config(**proposer_options)
-        target_model = load_model(target_dir, "target", dtype, prepack_now=spec is not None)  # before the draft
-        draft_model = load_model(draft_dir, "draft", dtype) if draft_dir is not None else None
-        built = spec.build(config, target_model, draft_model) if spec is not None else None
-        return cls(target_model, tokenizer=load_tokenizer(target_dir), proposer=built)
-
-    @classmethod
-    def _from_gguf(
-        cls,
-        target: str | Path | None,
-        draft: str | Path | None,
-        spec: Any,
-        config: Any,
-        threads: int | None,
-        exact: bool,
-        proposer_options: dict[str, Any] | None = None,
-    ) -> SpeculativeGenerator:
-        """:meth:`from_pretrained` on the llamacpp backend: GGUF files run as they are. A
-        ``draft_model`` draft of another vocabulary drafts through ``cross_tokenizer`` (a notice on
-        stderr), built with ``proposer_options``, as on torch.
-
-        Raises:
-            ValueError: a proposer the backend cannot serve (the message names both).
-            ModelNotFoundError: a path is not a ``.gguf`` file or does not exist.
-        """
-        from specdecode.models.backends import gguf_path, load_llamacpp, load_llamacpp_tokenizer
-        from specdecode.models.llamacpp import LlamaCppOptions
-        from specdecode.proposers import PROPOSERS
-        from specdecode.proposers.vocabulary import draft_proposer
-
-        if spec is not None and "llamacpp" not in spec.backends:
-            raise ValueError(
-                f"proposer {spec.name!r} is not available on the llamacpp backend (it runs on "
-                f"{', '.join(spec.backends)}); use backend='torch' (--backend torch)"
-            )
-        options = LlamaCppOptions(threads=threads, exact=exact)
-        target_path = gguf_path(target, "target")  # every path checked before any weights load
-        draft_path = gguf_path(draft, "draft") if spec is not None and spec.needs_draft else None
-        target_model = load_llamacpp(target_path, "target", options)
-        draft_model = load_llamacpp(draft_path, "draft", options) if draft_path is not None else None
-        if spec is not None and draft_model is not None:
-            chosen = draft_proposer(spec.name, target_model, draft_model, announce="specdecode")
-            if chosen != spec.name:  # a draft of another vocabulary: cross_tokenizer, on llama.cpp too
-                spec = PROPOSERS[chosen]
-                config = spec.make_config(**(proposer_options or {}))
-        built = spec.build(config, target_model, draft_model) if spec is not None else None
-        return cls(target_model, tokenizer=load_llamacpp_tokenizer(target_model), proposer=built)
+        plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **proposer_options)
+        return cls.from_loaded(load_models(plan))
 
     @property
     def dtype(self) -> str:
@@ -437,15 +428,35 @@ class SpeculativeGenerator:
         new tokens' log-probabilities are the last ``len(new token ids)`` of its ``logprobs``.
         Arguments as in :meth:`generate`.
         """
-        check_num_logprobs(logprobs)
+        request = check_request(prompt, num_speculative_tokens, tree, logprobs)
+        yield from self.stream_request(prompt, request, sampling, raw, speculative, schedule, constraint)
+
+    def stream_request(
+        self,
+        prompt: str | Sequence[int],
+        request: CheckedRequest,
+        sampling: SamplingParams | None = None,
+        raw: bool = False,
+        speculative: bool = True,
+        schedule: ScheduleConfig | str = "constant",
+        constraint: Constraint | None = None,
+    ) -> Iterator[tuple[list[int], str, GenerationResult]]:
+        """:meth:`stream_tokens` of a request :func:`check_request` checked (``specdecode generate``
+        checks it before loading the models): k, the tree and ``logprobs`` are not checked again.
+
+        Raises:
+            ValueError: a tree the proposer or schedule cannot draft, or a prompt the target
+                cannot take (see :meth:`encode_prompt`).
+        """
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
         proposer = self.proposer if speculative else None
-        if num_speculative_tokens is None:
-            num_speculative_tokens = default_num_speculative_tokens(proposer)
-        k = check_num_speculative_tokens(num_speculative_tokens)
+        k = request.num_speculative_tokens or default_num_speculative_tokens(proposer)
         plan = SpeculationSchedule(k, schedule)
+        tree = request.tree
         spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None
+        if spec_tree is not None:
+            self.target.capabilities.require("trees", self.target, "tree=")
         prompt_ids = self.encode_prompt(prompt, raw=raw)
         stats = SpecStats(
             num_speculative_tokens=(spec_tree.depth if spec_tree else plan.max_k) if proposer else 0,
@@ -465,7 +476,7 @@ class SpeculativeGenerator:
             eos_token_ids=self.eos_token_ids,
             tokenizer=self.tokenizer,
             stats=stats,
-            num_logprobs=logprobs,
+            num_logprobs=request.logprobs,
             constraint=self._constraint_state(constraint),
             device=self.target.device,  # where the logits live: drafts' probs are moved there once
         )

@@ -102,27 +102,30 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": args.backend, "threads": args.threads, "exact": args.exact}
 
 
-def resolve_auto_proposer(args: argparse.Namespace) -> None:
-    """``--proposer auto``: the backend's measured best (:func:`specdecode.models.backends.default_proposer`),
-    its options set where the user set none; ``draft_model`` instead when the options given are the
-    draft model's and not the default's (``--prompt-lookup-min 2`` asks for the draft, as ``--draft``
-    does); other proposers stay as they are."""
-    if args.proposer != "auto":
-        return
-    from specdecode.models.backends import default_proposer, resolve_backend
+def given_proposer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every proposer option given on the command line (flags left unset omitted), for any proposer:
+    :func:`specdecode.load.plan_models` chooses the proposer (``--proposer auto``) and checks that
+    they are its own, naming the proposers an option belongs to."""
     from specdecode.proposers import PROPOSERS
 
-    def takes(name: str) -> set[str]:
-        return {f.name for f in dataclasses.fields(PROPOSERS[name].config)}
+    every = {f.name for spec in PROPOSERS.values() for f in dataclasses.fields(spec.config)}
+    return {name: value for name in sorted(every) if (value := getattr(args, name, None)) is not None}
 
-    every = set().union(*(takes(name) for name in PROPOSERS))
-    given = {option for option in every if getattr(args, option, None) is not None}
-    args.proposer, defaults = default_proposer(resolve_backend(args.backend, args.target, args.dtype), args.draft)
-    if not given <= takes(args.proposer) and given <= takes("draft_model"):
-        args.proposer, defaults = "draft_model", {}
-    for option, value in defaults.items():  # options the user set win
-        if getattr(args, option, None) is None:
-            setattr(args, option, value)
+
+def resolve_auto_proposer(args: argparse.Namespace, backend: str | None = None) -> None:
+    """``--proposer auto`` on ``backend`` (None: resolved here) by the load path's rule
+    (:func:`specdecode.load.auto_proposer`: the backend's measured best, or ``draft_model`` when the
+    options given are the draft model's only), its options set where the user set none; other
+    proposers stay as they are. ``generate`` and ``serve`` leave this to :func:`specdecode.load.plan_models`."""
+    if args.proposer != "auto":
+        return
+    from specdecode.load import auto_proposer
+    from specdecode.models.backends import resolve_backend
+
+    backend = backend or resolve_backend(args.backend, args.target, args.dtype)
+    args.proposer, options = auto_proposer(backend, args.draft, given_proposer_options(args))
+    for option, value in options.items():  # options the user set win (they are among these)
+        setattr(args, option, value)
 
 
 def _option_type(default: Any, annotation: str) -> type:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -13,8 +14,7 @@ from specdecode.commands.common import (
     add_model_args,
     add_proposer_args,
     backend_options,
-    proposer_options,
-    resolve_auto_proposer,
+    given_proposer_options,
 )
 from specdecode.commands.constraint_args import add_constraint_args, constraint_from_args
 
@@ -128,52 +128,46 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate for one prompt: stream the text (or ``--json``), then the statistics."""
-    from specdecode.engine import SpeculativeGenerator, check_num_speculative_tokens
+    """Generate for one prompt: stream the text (or ``--json``), then the statistics.
+
+    The request (prompt, k, tree, log-probabilities, constraint) is checked once, then the load is
+    planned (:func:`specdecode.load.plan_models`: backend resolved once, proposer chosen, paths and
+    options checked), all before any weights load.
+    """
+    from specdecode.engine import SpeculativeGenerator, check_request
+    from specdecode.load import load_models, plan_models
 
     sampling = sampling_from_args(args)  # validate cheap input before loading anything
-    if args.num_speculative_tokens is not None:
-        check_num_speculative_tokens(args.num_speculative_tokens)
-    if args.tree is not None:
-        from specdecode.tree import parse_tree
-
-        parse_tree(args.tree)
-    if not args.prompt:
-        raise ValueError("prompt must not be empty")
-    if args.logprobs is not None:
-        from specdecode.logprobs import check_num_logprobs
-
-        check_num_logprobs(args.logprobs, "--logprobs")
-        if not args.json:
-            raise ValueError("--logprobs needs --json (the log-probabilities are a field of its output)")
+    names = {"prompt": "prompt", "logprobs": "--logprobs"}
+    request = check_request(args.prompt, args.num_speculative_tokens, args.tree, args.logprobs, names)
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs needs --json (the log-probabilities are a field of its output)")
     constraint = constraint_from_args(args)  # --json-schema / --regex / --grammar, checked before loading
-    resolve_auto_proposer(args)
-    generator = SpeculativeGenerator.from_pretrained(
-        target=args.target,
-        draft=args.draft,
+    proposer = None if args.no_speculation else args.proposer
+    plan = plan_models(
+        args.target,
+        args.draft,
+        proposer,
         dtype=args.dtype,
         **backend_options(args),
-        proposer=None if args.no_speculation else args.proposer,
-        **({} if args.no_speculation else proposer_options(args)),
+        **({} if args.no_speculation else given_proposer_options(args)),
     )
-    call = dict(
-        sampling=sampling,
-        num_speculative_tokens=args.num_speculative_tokens,
-        raw=args.raw,
-        schedule=args.schedule,
-        tree=args.tree,
-        constraint=constraint,
-    )
+    generator = SpeculativeGenerator.from_loaded(load_models(plan))
+    call = dict(sampling=sampling, raw=args.raw, schedule=args.schedule, constraint=constraint)
     speculative = not args.no_speculation
+    stream = generator.stream_request(args.prompt, request, speculative=speculative, **call)
     if args.json:
-        result = generator.generate(args.prompt, speculative=speculative, logprobs=args.logprobs, **call)
+        for _, _, result in stream:
+            pass
     else:
-        for _, piece, result in generator.stream_tokens(args.prompt, speculative=speculative, **call):
+        for _, piece, result in stream:
             print(piece, end="", flush=True)
         print()
     out = result.to_dict(generator.tokenizer)  # with --logprobs: "logprobs", each token with its text
     if args.compare:
-        baseline = generator.generate(args.prompt, speculative=False, **call)
+        plain = dataclasses.replace(request, logprobs=None)
+        for _, _, baseline in generator.stream_request(args.prompt, plain, speculative=False, **call):
+            pass
         out["baseline_tokens_per_second"] = baseline.stats.tokens_per_second
         out["speedup"] = baseline.stats.wall_time_s / result.stats.wall_time_s
         out["identical"] = baseline.token_ids == result.token_ids

@@ -24,8 +24,7 @@ from specdecode.commands.common import (
     add_model_args,
     add_proposer_args,
     backend_options,
-    proposer_options,
-    resolve_auto_proposer,
+    given_proposer_options,
 )
 
 
@@ -126,14 +125,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return s
 
 
-def settings_from_args(args: argparse.Namespace, model_name: str) -> Any:
-    """:class:`ServeSettings` from the parsed flags (validated: ValueError names the flag)."""
+def settings_from_args(
+    args: argparse.Namespace, model_name: str, proposer: str | None = None, options: dict[str, Any] | None = None
+) -> Any:
+    """:class:`ServeSettings` from the parsed flags and the default ``proposer`` with its ``options``
+    as the load path chose them (:func:`specdecode.load.plan_models`; validated: ValueError names the flag)."""
     from specdecode.serve.config import ServeSettings
 
     return ServeSettings(
         model_name=args.served_model_name or model_name,
-        proposer=args.proposer,
-        proposer_options=proposer_options(args),
+        proposer=proposer,
+        proposer_options=options or {},
         num_speculative_tokens=args.num_speculative_tokens,
         speculation=args.speculation,
         max_batch_size=args.max_batch_size,
@@ -149,15 +151,13 @@ def settings_from_args(args: argparse.Namespace, model_name: str) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve: plan the load (every flag and path checked, the backend resolved once), load, run."""
+    import dataclasses
     import logging
 
-    from specdecode.models.loading import parse_dtype
-    from specdecode.serve.loading import ModelSource, load_server_models
+    from specdecode.load import ModelSource, load_models, plan_models
 
-    parse_dtype(args.dtype)
     options = backend_options(args)
-    resolve_auto_proposer(args)
-    settings_from_args(args, "check")  # every flag checked before any weights load
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas is None and args.ray_address is not None:
@@ -179,32 +179,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from specdecode.serve.server import build_app
 
-    def check(proposer: str | None, name: str) -> None:
-        if proposer != args.proposer:  # a draft of another vocabulary: its options checked before any weights load
-            args.proposer = proposer
-            settings_from_args(args, name)
-
-    loaded = load_server_models(source, args.proposer, check)
-    settings = settings_from_args(args, loaded.name)
+    settings = settings_from_args(args, "specdecode")  # the server's own flags first
+    given = given_proposer_options(args)
+    plan = plan_models(
+        **dataclasses.asdict(source), proposer=args.proposer, server=True, announce="specdecode serve", **given
+    )
+    name = args.served_model_name or plan.name  # every flag and path checked before any weights load
+    settings = dataclasses.replace(settings, model_name=name, proposer=plan.proposer, proposer_options=plan.options)
+    loaded = load_models(plan)
+    if loaded.proposer != settings.proposer:  # two GGUF files of other vocabularies: cross_tokenizer
+        settings = dataclasses.replace(settings, proposer=loaded.proposer)
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
-    app, _ = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft)
+    app, _ = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
-    """``--replicas N``: N replicas on Ray Serve behind one endpoint on --host/--port; each replica
-    loads ``source`` (a :class:`~specdecode.serve.loading.ModelSource`) itself, paths that exist
-    here made absolute first."""
+    """``--replicas N``: N replicas on Ray Serve behind one endpoint on --host/--port. The proposer
+    and its options are chosen here (:func:`specdecode.load.choose`, the flags checked); each replica
+    plans and loads ``source`` (a :class:`~specdecode.load.ModelSource`) itself with them, paths
+    that exist here made absolute first (a replica checks its paths on its own machine)."""
     import dataclasses
 
+    from specdecode.load import choose
+    from specdecode.models.loading import parse_dtype
     from specdecode.serve.replicas import ReplicaConfig, run_replicas
+
+    parse_dtype(args.dtype)
+    given = given_proposer_options(args)
+    _, proposer, options, _ = choose(
+        args.proposer, args.backend, args.target, args.draft, args.dtype, server=True, **given
+    )
 
     def absolute(path: str | None) -> str | None:
         return os.path.abspath(path) if path is not None and os.path.exists(path) else path
 
     source = dataclasses.replace(source, target=absolute(source.target), draft=absolute(source.draft))
-    settings = settings_from_args(args, args.served_model_name or "specdecode")
+    settings = settings_from_args(args, args.served_model_name or "specdecode", proposer, options)
     if settings.audit_log:
         settings = dataclasses.replace(settings, audit_log=os.path.abspath(settings.audit_log))
     config = ReplicaConfig(

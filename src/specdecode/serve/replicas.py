@@ -2,8 +2,8 @@
 
 ``specdecode serve --replicas N`` (or :func:`build_replicas_app` for your own ``serve.run``) runs N
 copies of the server as one Ray Serve application. Each replica is a Ray actor that loads the
-models with the flags of ``specdecode serve`` (:func:`specdecode.serve.loading.load_server_models`,
-the command's own loading) and serves the same FastAPI app (:func:`specdecode.serve.server.build_app`:
+models with the flags of ``specdecode serve`` through the one load path (:mod:`specdecode.load`,
+as the command loads) and serves the same FastAPI app (:func:`specdecode.serve.server.build_app`:
 scheduler, batching, limits, audit log, metrics), mounted with Ray Serve's ``@serve.ingress``. Ray
 Serve's HTTP proxy listens on one host and port and forwards each request to a replica; a replica
 that dies is started again by Ray Serve. Needs ``pip install 'specdecode[ray]'``; nothing else in
@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.errors import MissingDependencyError
+from specdecode.load import ModelSource
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.loading import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -293,17 +293,6 @@ class _ReplicaHeader:
         await self.app(scope, receive, named)
 
 
-def _check_options(proposer: str | None, options: dict[str, Any]) -> None:
-    """The proposer options fit ``proposer`` (after a switch to ``cross_tokenizer``), as
-    ``specdecode serve`` checks its flags."""
-    from specdecode.proposers import PROPOSERS
-
-    own = {f.name for f in dataclasses.fields(PROPOSERS[proposer].config)} if proposer in PROPOSERS else set()
-    for option in options:
-        if option not in own:
-            raise ValueError(f"--{option.replace('_', '-')} is not an option of --proposer {proposer}")
-
-
 class SpecdecodeReplica:
     """One replica: the models loaded as ``specdecode serve`` loads them, the server's FastAPI app
     (Ray Serve mounts it through :meth:`__serve_build_asgi_app__`), plus the ``/replicas`` routes.
@@ -317,7 +306,7 @@ class SpecdecodeReplica:
         import ray
         from ray import serve
 
-        from specdecode.serve.loading import load_server_models
+        from specdecode.load import load_models, plan_models
         from specdecode.serve.server import build_app
 
         context = serve.get_replica_context()
@@ -333,16 +322,23 @@ class SpecdecodeReplica:
         if source.threads is None:  # llamacpp: the replica's share of the machine, not every core
             source = dataclasses.replace(source, threads=max(1, int(config.num_cpus)))
 
-        def check(proposer: str | None, name: str) -> None:
-            if proposer != settings.proposer:
-                _check_options(proposer, settings.proposer_options)
-
-        announce = f"specdecode replica {self.replica_id}"
-        loaded = await asyncio.to_thread(load_server_models, source, settings.proposer, check, announce)
-        settings = dataclasses.replace(
-            settings, model_name=config.served_model_name or loaded.name, proposer=loaded.proposer
+        plan = plan_models(  # the one load path, as specdecode serve: every path checked before any weights load
+            **dataclasses.asdict(source),
+            proposer=settings.proposer,
+            server=True,
+            announce=f"specdecode replica {self.replica_id}",
+            **settings.proposer_options,
         )
-        self.server_app, self.scheduler = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft)
+        loaded = await asyncio.to_thread(load_models, plan)
+        settings = dataclasses.replace(
+            settings,
+            model_name=config.served_model_name or loaded.name,
+            proposer=loaded.proposer,
+            proposer_options=loaded.options,
+        )
+        self.server_app, self.scheduler = build_app(
+            loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True
+        )
         self.board = board
         self._add_routes()
         self._pusher = asyncio.get_running_loop().create_task(self._push_metrics()) if board is not None else None
@@ -456,10 +452,11 @@ def app_builder(args: dict[str, Any]) -> Any:
     ``RayService``): ``import_path: specdecode.serve.replicas:app_builder`` with ``args`` of
 
     - ``replicas`` (default 1), ``replica_cpus`` (1), ``replica_gpus`` (0), ``served_model_name``;
-    - the fields of :class:`~specdecode.serve.loading.ModelSource` (``target``, ``draft``, ``dtype``,
+    - the fields of :class:`~specdecode.load.ModelSource` (``target``, ``draft``, ``dtype``,
       ``backend``, ``threads``, ``exact``);
     - the fields of :class:`~specdecode.serve.config.ServeSettings` but ``model_name``
-      (``proposer``, ``speculation``, ``max_batch_size``, ...; ``proposer`` is a name, not ``auto``).
+      (``proposer``, ``speculation``, ``max_batch_size``, ...; ``proposer`` is a name or ``auto``, which
+      each replica resolves on its backend).
 
     Raises:
         ValueError: an unknown or bad argument (the message names it).

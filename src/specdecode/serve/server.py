@@ -25,6 +25,8 @@ def build_app(
     settings: ServeSettings | None = None,
     draft: PreTrainedModel | None = None,
     cost: CostModel | None = None,
+    *,
+    vocabulary_checked: bool = False,
 ) -> tuple[FastAPI, Scheduler]:
     """The FastAPI app and its scheduler for loaded models (the scheduler starts with the app).
 
@@ -36,6 +38,9 @@ def build_app(
             through ``cross_tokenizer``: a default proposer ``draft_model`` becomes ``cross_tokenizer``
             (a notice on stderr), as in ``specdecode serve`` and ``from_pretrained``.
         cost: a measured cost model (None: measured at start-up in ``adaptive`` mode).
+        vocabulary_checked: ``settings.proposer`` is the one :func:`specdecode.load.load_models`
+            decided for these models (``specdecode serve``, replicas): the vocabulary rule is not
+            asked again.
 
     Raises:
         IncompatibleModelsError: the default proposer needs a draft of the target's vocabulary and
@@ -46,7 +51,9 @@ def build_app(
     from specdecode.serve.app import create_app
 
     settings = settings or ServeSettings()
-    proposer = draft_proposer(settings.proposer, target, draft, announce="specdecode serve")
+    proposer = settings.proposer
+    if not vocabulary_checked:
+        proposer = draft_proposer(settings.proposer, target, draft, announce="specdecode serve")
     if proposer != settings.proposer:
         settings = dataclasses.replace(settings, proposer=proposer)
     audit = AuditLog(settings.audit_log, settings.audit_log_prompts) if settings.audit_log else None

@@ -1,0 +1,324 @@
+"""One load path: which backend and proposer run, then the models (docs/design.md §2b).
+
+``SpeculativeGenerator.from_pretrained``, ``specdecode generate``, ``specdecode bench``,
+``specdecode serve`` and each Ray Serve replica load through the two steps here, so they share one
+policy::
+
+    plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **options)
+    loaded = load_models(plan)          # LoadedModels: target, tokenizer, draft, proposer, ...
+
+:func:`plan_models` loads no weights and raises every error of input, naming the parameter: the
+backend is resolved once (:func:`~specdecode.models.backends.resolve_backend`, whose llama.cpp
+smoke test may print one line), ``proposer="auto"`` becomes the backend's default, the proposer's
+options are validated, every path is checked and, for model folders, the vocabulary rule is asked
+once (:func:`~specdecode.proposers.vocabulary.draft_proposer`: a ``draft_model`` draft of another
+vocabulary drafts through ``cross_tokenizer``). GGUF files are compared once they load (their
+vocabularies are known only then).
+
+**Policy.** Under ``backend="auto"``, a proposer llama.cpp cannot serve runs on torch, for the
+library and the server alike; one named for ``backend="llamacpp"`` is refused with the reason. The
+server needs more of llama.cpp than ``generate`` does: its batched runner returns no hidden states,
+so Medusa and EAGLE (which read them) count as proposers it cannot serve (``server=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # this module loads no torch until it loads models
+    from specdecode.proposers.base import Proposer
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What to load: the model flags of ``specdecode serve`` (and the arguments of :func:`plan_models`).
+
+    Attributes:
+        target, draft: ``--target`` / ``--draft`` (a folder, a ``.gguf`` file, a packaged model's
+            name, or None for the default pair's model).
+        dtype: ``--dtype``.
+        backend: ``--backend`` (``auto``, ``torch``, ``llamacpp``).
+        threads, exact: ``--threads`` and ``--exact`` (llamacpp only).
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    backend: str = "auto"
+    threads: int | None = None
+    exact: bool = True
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What :func:`load_models` loads, every choice made and every input checked.
+
+    Attributes:
+        backend: the backend that runs the models (``torch`` or ``llamacpp``, resolved).
+        proposer: the proposer that runs (``auto`` resolved; for model folders the vocabulary rule
+            applied), or None for none.
+        options: its options (``auto``'s defaults under those given).
+        config: the validated options (its config dataclass), or None without a proposer.
+        target: the target's model folder (torch) or ``.gguf`` file (llamacpp).
+        draft: the draft's, or None where no draft loads.
+        name: the target's name (the server's model id unless another is given).
+        dtype, threads, exact: as given (:func:`plan_models`).
+        server: planned for the server (a draft given loads even if the proposer needs none; the
+            proposer is not built: the server builds one per request).
+        announce: the prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
+    """
+
+    backend: str
+    proposer: str | None
+    options: dict[str, Any]
+    config: Any
+    target: Path
+    draft: Path | None
+    name: str
+    dtype: Any = "auto"
+    threads: int | None = None
+    exact: bool = True
+    server: bool = False
+    announce: str = "specdecode"
+
+
+@dataclass
+class LoadedModels:
+    """Loaded models and what loading them decided.
+
+    Attributes:
+        target, tokenizer, draft: the models (``draft`` None where none loaded).
+        name: the target's name (the API's model id unless ``--served-model-name`` is given).
+        proposer: the proposer that runs: the one planned, or ``cross_tokenizer`` for a
+            ``draft_model`` draft of another vocabulary.
+        backend: the backend the models run on.
+        built: the proposer built on the models (None for the server, which builds its own per
+            request, or without a proposer).
+        options: the proposer's options.
+    """
+
+    target: Any
+    tokenizer: Any
+    draft: Any
+    name: str
+    proposer: str | None
+    backend: str = "torch"
+    built: Proposer | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def auto_proposer(backend: str, draft: str | Path | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """What ``proposer="auto"`` runs on ``backend`` (a resolved one) with the ``options`` given:
+    the backend's default (:func:`~specdecode.models.backends.default_proposer`: ``draft_model``
+    whenever a draft is named) with its options under those given, or ``draft_model`` when the
+    options given are the draft model's and not the default's (``prompt_lookup_min=2`` asks for the
+    draft, as a ``draft`` does)."""
+    from specdecode.models.backends import default_proposer
+    from specdecode.proposers import PROPOSERS
+
+    def takes(name: str) -> set[str]:
+        return {f.name for f in dataclasses.fields(PROPOSERS[name].config)}
+
+    name, defaults = default_proposer(backend, draft)
+    if not set(options) <= takes(name) and set(options) <= takes("draft_model"):
+        name, defaults = "draft_model", {}
+    return name, {**defaults, **options}
+
+
+def llamacpp_refusal(name: str, server: bool = False) -> str | None:
+    """Why the llamacpp backend cannot serve proposer ``name`` (``server``: in the server's batched
+    runner), or None where it can."""
+    from specdecode.proposers import PROPOSERS
+
+    spec = PROPOSERS[name]
+    if "llamacpp" not in spec.backends:
+        return (
+            f"proposer {name!r} is not available on the llamacpp backend (it runs on "
+            f"{', '.join(spec.backends)}); use backend='torch' (--backend torch)"
+        )
+    if server and spec.needs_target_features:  # LlamaCppBatchedRunner.returns_hidden is False
+        return (
+            f"--proposer {name}: the llamacpp server's batched runner returns no hidden states, which "
+            f"{name} reads (specdecode generate runs it on llama.cpp); use --backend torch to serve it"
+        )
+    return None
+
+
+def _make_config(name: str, options: dict[str, Any]) -> Any:
+    """``name``'s validated options; an option of another proposer is named with its owners.
+
+    Raises:
+        ValueError: an option ``name`` does not take, or a bad value.
+    """
+    from specdecode.proposers import PROPOSERS
+
+    spec = PROPOSERS[name]
+    own = {f.name for f in dataclasses.fields(spec.config)}
+    for option in sorted(set(options) - own):
+        owners = [n for n, s in PROPOSERS.items() if option in {f.name for f in dataclasses.fields(s.config)}]
+        if owners:
+            takes = ", ".join(sorted(own)) or "no options"
+            raise ValueError(
+                f"proposer {name!r} does not take [{option!r}] (--{option.replace('_', '-')} is an option of "
+                f"--proposer {' / '.join(owners)}); it takes {takes}"
+            )
+    return spec.make_config(**options)
+
+
+def choose(
+    proposer: str | None,
+    backend: str,
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    dtype: Any = "auto",
+    *,
+    server: bool = False,
+    **options: Any,
+) -> tuple[str, str | None, dict[str, Any], Any]:
+    """The backend and the proposer, without paths or weights: ``(backend, proposer, options, config)``.
+
+    The first half of :func:`plan_models` (arguments as there), for a process that plans for others
+    (``specdecode serve --replicas``: each replica checks its own paths).
+
+    Raises:
+        ValueError: an unknown backend or proposer, options without a proposer, bad options, or a
+            proposer ``backend="llamacpp"`` cannot serve (the message names both).
+    """
+    from specdecode.models.backends import resolve_backend
+    from specdecode.proposers import PROPOSERS
+
+    if proposer is not None and proposer != "auto" and proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, 'auto' or None, got {proposer!r}")
+    if proposer is None and options:
+        raise ValueError(f"proposer options {sorted(options)} given without a proposer")
+    chosen = resolve_backend(backend, target, dtype)  # once: its llama.cpp smoke test may print a line
+    if proposer == "auto":
+        proposer, options = auto_proposer(chosen, draft, options)
+    config = _make_config(proposer, options) if proposer is not None else None  # bad options fail early
+    refusal = llamacpp_refusal(proposer, server) if proposer is not None and chosen == "llamacpp" else None
+    if refusal is not None:
+        if backend != "auto":
+            raise ValueError(refusal)
+        chosen = "torch"  # auto: what llama.cpp cannot serve runs on torch (library and server alike)
+    return chosen, proposer, options, config
+
+
+def plan_models(
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    proposer: str | None = "auto",
+    backend: str = "auto",
+    dtype: Any = "auto",
+    threads: int | None = None,
+    exact: bool = True,
+    *,
+    server: bool = False,
+    announce: str = "specdecode",
+    **options: Any,
+) -> LoadPlan:
+    """Every choice and every check of a load, no weights loaded.
+
+    Args:
+        target, draft: HF model folder, ``.gguf`` file, packaged model name, or None for the
+            default pair's model (the draft is used only where the proposer needs one, or with
+            ``server``).
+        proposer: a name of :data:`~specdecode.proposers.PROPOSERS`, ``"auto"`` (:func:`auto_proposer`)
+            or None (the target alone).
+        backend: ``"auto"``, ``"torch"`` or ``"llamacpp"`` (resolved once,
+            :func:`~specdecode.models.backends.resolve_backend`).
+        dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or a torch dtype.
+        threads, exact: the llamacpp backend's options (:class:`~specdecode.models.llamacpp.LlamaCppOptions`).
+        server: plan for ``specdecode serve`` (see :attr:`LoadPlan.server`; Medusa and EAGLE count
+            as proposers llama.cpp cannot serve).
+        announce: prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
+        options: the proposer's options (fields of its config dataclass).
+
+    Raises:
+        ValueError: unknown dtype, backend or proposer, bad proposer or llamacpp options, options
+            without a proposer, or a proposer ``backend="llamacpp"`` cannot serve (names both).
+        ModelNotFoundError: a path does not exist or is not a model, or a default model is not installed.
+        IncompatibleModelsError: a draft of another vocabulary for a proposer that cannot switch
+            to ``cross_tokenizer`` (model folders; GGUF files: :func:`load_models`).
+    """
+    from specdecode.models.default import DEFAULT_TARGET
+    from specdecode.models.loading import parse_dtype
+
+    parse_dtype(dtype)
+    chosen, proposer, options, config = choose(proposer, backend, target, draft, dtype, server=server, **options)
+    needs_draft = proposer is not None and _spec(proposer).needs_draft
+    loads_draft = needs_draft or (server and draft is not None)
+    if chosen == "llamacpp":
+        from specdecode.models.backends import gguf_path
+        from specdecode.models.llamacpp import LlamaCppOptions
+
+        LlamaCppOptions(threads=threads, exact=exact)  # a bad value fails here, not after a load
+        target_path = gguf_path(target, "target")  # every path checked before any weights load
+        draft_path = gguf_path(draft, "draft") if loads_draft else None
+        name = target_path.stem
+    else:
+        from specdecode.models.loading import resolve_model_dir
+
+        target_path = resolve_model_dir(target, "target")
+        draft_path = resolve_model_dir(draft, "draft") if loads_draft else None
+        name = target_path.name
+        final = _vocabulary_rule(proposer, target_path, draft_path, announce)
+        if final != proposer:  # a draft of another vocabulary: cross_tokenizer, with the options given
+            proposer, config = final, _make_config(final, options)
+    name = DEFAULT_TARGET.name if target is None else name
+    return LoadPlan(
+        chosen, proposer, options, config, target_path, draft_path, name, dtype, threads, exact, server, announce
+    )
+
+
+def _spec(name: str) -> Any:
+    from specdecode.proposers import PROPOSERS
+
+    return PROPOSERS[name]
+
+
+def _vocabulary_rule(proposer: str | None, target: Any, draft: Any, announce: str) -> str | None:
+    """:func:`~specdecode.proposers.vocabulary.draft_proposer`, asked once per load (folders in
+    :func:`plan_models`, loaded GGUF models in :func:`load_models`)."""
+    from specdecode.proposers import vocabulary
+
+    return vocabulary.draft_proposer(proposer, target, draft, announce=announce)
+
+
+def load_models(plan: LoadPlan) -> LoadedModels:
+    """Load what ``plan`` says: the target (before the draft), its tokenizer, the draft, and (not
+    for the server) the proposer built on them.
+
+    Raises:
+        ModelNotFoundError, LlamaCppUnusableError: a model cannot load (see
+            :func:`~specdecode.models.loading.load_model`, :func:`~specdecode.models.backends.load_llamacpp`).
+        IncompatibleModelsError: two GGUF files of other vocabularies for a proposer that cannot
+            switch to ``cross_tokenizer``.
+        ValueError: the options given do not fit ``cross_tokenizer`` where two GGUF files of other
+            vocabularies switch to it.
+    """
+    proposer, config = plan.proposer, plan.config
+    if plan.backend == "llamacpp":
+        from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
+        from specdecode.models.llamacpp import LlamaCppOptions
+
+        options = LlamaCppOptions(threads=plan.threads, exact=plan.exact)
+        target = load_llamacpp(plan.target, "target", options)
+        draft = load_llamacpp(plan.draft, "draft", options) if plan.draft is not None else None
+        tokenizer = load_llamacpp_tokenizer(target)
+        final = _vocabulary_rule(proposer, target, draft, plan.announce)  # GGUF: known once loaded
+        if final != proposer:
+            proposer, config = final, _make_config(final, plan.options)
+    else:
+        from specdecode.models.loading import load_model, load_tokenizer
+
+        # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
+        target = load_model(plan.target, "target", plan.dtype, prepack_now=plan.server or proposer is not None)
+        draft = load_model(plan.draft, "draft", plan.dtype) if plan.draft is not None else None
+        tokenizer = load_tokenizer(plan.target)
+    built = None
+    if proposer is not None and not plan.server:
+        built = _spec(proposer).build(config, target, draft)
+    return LoadedModels(target, tokenizer, draft, plan.name, proposer, plan.backend, built, dict(plan.options))
