@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from specdecode.constraints.spec import Constraint
 from specdecode.constraints.state import ConstraintState
 from specdecode.decode_state import DecodeState
+from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens  # noqa: F401 (engine's names)
 from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
 from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
@@ -43,8 +44,6 @@ from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.tree import TreeSpec, parse_tree, tree_attention
 from specdecode.verify import VerifyResult, verify_tree
-
-MAX_SPECULATIVE_TOKENS = 64
 
 
 def draft_quantization(proposer: Proposer | None) -> str:
@@ -109,23 +108,12 @@ def _pass(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.
     return out if isinstance(out, tuple) else (out, None)
 
 
-def check_num_speculative_tokens(k: int) -> int:
-    """Return ``k`` if it is a valid number of speculative tokens.
-
-    Raises:
-        ValueError: ``k`` is not an integer in [1, MAX_SPECULATIVE_TOKENS].
-    """
-    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-    return k
-
-
 @dataclass(frozen=True)
 class CheckedRequest:
     """The parameters of one generation, checked once (:func:`check_request`).
 
     Attributes:
-        num_speculative_tokens: k in [1, 64], or None for the proposer's own.
+        num_speculative_tokens: k in :data:`~specdecode.limits.K_RANGE`, or None for the proposer's own.
         tree: the compiled tree (:func:`~specdecode.tree.parse_tree`), or None for chains.
         logprobs: N in [0, 20], or None for none.
     """
@@ -147,8 +135,8 @@ def check_request(
     name a parameter, e.g. ``{"logprobs": "--logprobs"}``).
 
     Raises:
-        ValueError: an empty string prompt, k outside [1, 64], a bad tree, or ``logprobs`` outside
-            [0, 20] (the message names the parameter).
+        ValueError: an empty string prompt, k outside :data:`~specdecode.limits.K_RANGE`, a bad tree, or
+            ``logprobs`` outside [0, 20] (the message names the parameter).
     """
     names = names or {}
     if isinstance(prompt, str) and not prompt:
@@ -511,8 +499,8 @@ class SpeculativeGenerator:
         Args:
             prompt: a string (chat template applied unless ``raw``) or a list of token ids.
             sampling: :class:`SamplingParams` (default: greedy, 128 new tokens).
-            num_speculative_tokens: k, tokens drafted per step, in [1, 64] (the starting k of a
-                ``heuristic`` or ``adaptive`` schedule); None (default): the proposer's own default
+            num_speculative_tokens: k, tokens drafted per step, in :data:`~specdecode.limits.K_RANGE` (the
+                starting k of a ``heuristic`` or ``adaptive`` schedule); None (default): the proposer's own default
                 (:func:`~specdecode.proposers.base.default_num_speculative_tokens`: 4, or 2 for
                 the EAGLE head and Medusa heads, measured best on this project's reference CPU).
             raw: do not apply the chat template to a string prompt.

@@ -71,6 +71,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens
+
 ScheduleKind = Literal["constant", "heuristic", "adaptive"]
 SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "adaptive")
 VERIFY_SLOPE_WEIGHT = 1.0  # ridge weight of the prior slope of t_verify, in (weight x tokens^2) of observations
@@ -100,7 +102,7 @@ class ScheduleConfig:
     Attributes:
         kind: ``"constant"``, ``"heuristic"`` or ``"adaptive"`` (see the module docstring).
         max_speculative_tokens: the largest k of ``heuristic`` and ``adaptive`` (tokens); None = 4 x
-            the starting k, at most 64.
+            the starting k, at most :data:`~specdecode.limits.MAX_SPECULATIVE_TOKENS`.
         fallback_margin: adaptive only; speculate only when the best expected rate exceeds plain
             decoding's times (1 + margin). 0.0 = whenever it is expected to be faster.
         backoff: adaptive only; plain steps before a probe after speculation stopped paying.
@@ -140,12 +142,8 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {self.kind!r}")
-        if self.max_speculative_tokens is not None and not (
-            isinstance(self.max_speculative_tokens, int) and 1 <= self.max_speculative_tokens <= 64
-        ):
-            raise ValueError(
-                f"max_speculative_tokens must be an integer in [1, 64], got {self.max_speculative_tokens!r}"
-            )
+        if self.max_speculative_tokens is not None:
+            check_num_speculative_tokens(self.max_speculative_tokens, "max_speculative_tokens")
         if not 0.0 <= self.fallback_margin <= 10.0:
             raise ValueError(f"fallback_margin must be in [0, 10], got {self.fallback_margin!r}")
         for name in ("backoff", "max_backoff", "probe_k", "refresh_interval"):
@@ -178,7 +176,7 @@ class SpeculationSchedule:
         if self.config.kind == "constant":
             self.max_k = start
         else:
-            self.max_k = max(start, self.config.max_speculative_tokens or min(64, 4 * start))
+            self.max_k = max(start, self.config.max_speculative_tokens or min(MAX_SPECULATIVE_TOKENS, 4 * start))
         self.k = start
         self.plain_steps = 0  # steps the schedule decoded without speculation
         self.fallbacks = 0  # times the adaptive schedule switched speculation off

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.engine import MAX_SPECULATIVE_TOKENS as MAX_K
 from specdecode.engine import SpeculativeGenerator
+from specdecode.limits import K_RANGE, is_num_speculative_tokens
 from specdecode.proposers import PROPOSERS as LIBRARY_PROPOSERS
 from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, Proposer, default_num_speculative_tokens
 from specdecode.sampling import SamplingParams
@@ -501,10 +501,8 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"method {text!r}: options are written key=value, got {pair!r}")
         options[key] = _option_value(value)
     fixed_k = options.pop("k", None)  # this method's own k, instead of the sweep's
-    if fixed_k is not None and (tree is not None or type(fixed_k) is not int or not 1 <= fixed_k <= MAX_K):
-        raise ValueError(
-            f"method {text!r}: k= must be an integer in [1, {MAX_K}] on a chain (no @tree), got {fixed_k!r}"
-        )
+    if fixed_k is not None and (tree is not None or not is_num_speculative_tokens(fixed_k)):
+        raise ValueError(f"method {text!r}: k= must be an integer in {K_RANGE} on a chain (no @tree), got {fixed_k!r}")
     base = METHODS[name]
     key = label = text  # key: the engine's cache key (BenchModels.generator); label: the method's name in reports
     if "label" in options:  # a short name for the reports (a drafter path makes a long one)

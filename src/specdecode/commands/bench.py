@@ -114,9 +114,9 @@ def parse_ks(text: str) -> list[int]:
     """``"2,4,6,8"`` -> ``[2, 4, 6, 8]`` (duplicates dropped).
 
     Raises:
-        ValueError: not integers in [1, 64].
+        ValueError: not integers in :data:`~specdecode.limits.K_RANGE`.
     """
-    from specdecode.engine import check_num_speculative_tokens
+    from specdecode.limits import check_num_speculative_tokens
 
     try:
         ks = [int(part) for part in text.split(",") if part.strip()]

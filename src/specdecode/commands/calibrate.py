@@ -74,7 +74,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure the exit layers on the prompts, print the table (or ``--json``), save the fastest."""
     from rich.console import Console
 
-    from specdecode.engine import check_num_speculative_tokens
+    from specdecode.limits import check_num_speculative_tokens
     from specdecode.models.loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
     from specdecode.sampling import SamplingParams
 

@@ -23,9 +23,9 @@ attributes, never probe for them:
   positions ``0 .. T - 2`` (rejected drafts never reach it: rollback is free). The batched server
   passes them the same way, per sequence.
 - ``default_num_speculative_tokens`` (default :data:`DEFAULT_NUM_SPECULATIVE_TOKENS`, an int in
-  [1, 64]): the k that :class:`~specdecode.engine.SpeculativeGenerator` (and so the CLI, the API
-  and ``specdecode bench``) uses when the caller gives none. It is a measured choice (the
-  proposer's docstring says where), not a limit: any k in [1, 64] still works.
+  :data:`~specdecode.limits.K_RANGE`): the k that :class:`~specdecode.engine.SpeculativeGenerator`
+  (and so the CLI, the API and ``specdecode bench``) uses when the caller gives none. It is a
+  measured choice (the proposer's docstring says where), not a limit: any k in that range still works.
 
 A proposer of one's own subclasses :class:`ProposerBase` (or declares every attribute of
 :class:`Proposer` itself); :func:`check_proposer` says what is missing otherwise.
@@ -38,6 +38,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdecode.limits import check_num_speculative_tokens
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
 
@@ -51,15 +52,13 @@ def default_num_speculative_tokens(proposer: object | None) -> int:
     decoding without a proposer).
 
     Raises:
-        ValueError: the proposer's attribute is not an integer in [1, 64].
+        ValueError: the proposer's attribute is not an integer in :data:`~specdecode.limits.K_RANGE`.
     """
     if proposer is None:
         return DEFAULT_NUM_SPECULATIVE_TOKENS
     k = proposer.default_num_speculative_tokens  # type: ignore[attr-defined]
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
-        name = getattr(proposer, "name", type(proposer).__name__)
-        raise ValueError(f"proposer {name!r}: default_num_speculative_tokens must be an integer in [1, 64], got {k!r}")
-    return k
+    name = getattr(proposer, "name", type(proposer).__name__)
+    return check_num_speculative_tokens(k, f"proposer {name!r}: default_num_speculative_tokens")
 
 
 @dataclass(frozen=True)

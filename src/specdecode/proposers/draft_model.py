@@ -65,7 +65,7 @@ class DraftModelConfig:
             readable map file; ``draft_vocab_size`` not an integer in [1, len(map)], or given
             without ``token_map``; ``draft_quantization`` not ``"auto"``, ``"none"``, ``"int8"`` or None;
             ``prompt_lookup_min`` < 0, ``prompt_lookup_max`` < max(1, min), or ``prompt_lookup_model_k``
-            not None or an integer in [1, 64].
+            not None or an integer in :data:`~specdecode.limits.K_RANGE`.
     """
 
     draft_confidence: float = field(default=0.0, metadata={"help": "stop drafting when top prob < this (0 = off)"})

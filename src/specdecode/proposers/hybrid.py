@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specdecode.limits import check_num_speculative_tokens
 from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
 from specdecode.sampling import SamplingParams
@@ -85,14 +86,12 @@ def check_prompt_lookup(config: Any) -> None:
 
 
 def check_model_k(value: int | None) -> int | None:
-    """``value`` if it is None or an integer in [1, 64] (``prompt_lookup_model_k``).
+    """``value`` if it is None or an integer in :data:`~specdecode.limits.K_RANGE` (``prompt_lookup_model_k``).
 
     Raises:
         ValueError: anything else (the message names ``prompt_lookup_model_k``).
     """
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64):
-        raise ValueError(f"prompt_lookup_model_k must be None or an integer in [1, 64], got {value!r}")
-    return value
+    return check_num_speculative_tokens(value, "prompt_lookup_model_k", optional=True)
 
 
 class LookupFirstProposer(ProposerBase):

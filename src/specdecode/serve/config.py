@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdecode.limits import check_num_speculative_tokens
+
 SPECULATION_MODES = ("on", "off", "adaptive")
 
 
@@ -18,7 +20,8 @@ class ServeSettings:
         proposer: default proposer of requests (a name of ``specdecode.proposers.PROPOSERS``), or
             None: no speculation (every request decodes with the target alone).
         proposer_options: options of the default proposer (fields of its config dataclass).
-        num_speculative_tokens: default k of requests (a request may ask for 1 .. 64); None: each
+        num_speculative_tokens: default k of requests (a request may ask for any in
+            :data:`~specdecode.limits.K_RANGE`); None: each
             request's proposer's own default (:meth:`k_for`).
         speculation: ``"on"`` (every speculative request drafts its k every step), ``"off"``
             (nobody drafts) or ``"adaptive"`` (the cost model of :mod:`specdecode.serve.cost`
@@ -62,11 +65,8 @@ class ServeSettings:
 
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"--speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}")
-        k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64):
-            raise ValueError(
-                f"--num-speculative-tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}"
-            )
+        if self.num_speculative_tokens is not None:
+            check_num_speculative_tokens(self.num_speculative_tokens, "--num-speculative-tokens")
         for name in ("max_batch_size", "kv_budget_tokens", "max_queue", "max_body_bytes", "default_max_tokens"):
             positive_int(name, getattr(self, name))
         if not self.request_timeout_s > 0:

@@ -9,8 +9,9 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
   adaptive``), ``"off"`` is ``speculative: false``. A server started with ``--speculation off``
   refuses ``"on"`` and ``"adaptive"``;
 - ``proposer`` (str): a proposer name (``GET /v1/models`` lists those the server can run);
-- ``num_speculative_tokens`` (int, 1 .. 64): k, the most tokens drafted per step (default: the
-  server's ``--num-speculative-tokens``, else the proposer's own: 4, EAGLE and Medusa 2, prompt lookup 8);
+- ``num_speculative_tokens`` (int, in :data:`~specdecode.limits.K_RANGE`): k, the most tokens drafted per
+  step (default: the server's ``--num-speculative-tokens``, else the proposer's own: 4, EAGLE and Medusa 2,
+  prompt lookup 8);
 - ``top_k`` (int >= 0, 0 = off; -1 is read as off, as in vLLM);
 - ``return_token_ids`` (bool): add the prompt's and the completion's token ids to the choice;
 - ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
@@ -34,9 +35,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdecode.limits import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
 from specdecode.serve.logprobs import chat_num_logprobs, completion_num_logprobs
-
-MAX_SPECULATIVE_TOKENS = 64
 
 
 class StreamOptions(BaseModel):
@@ -62,7 +62,7 @@ class _Common(BaseModel):
     speculative: bool | None = None
     speculation: Literal["on", "off", "adaptive"] | None = None
     proposer: str | None = None
-    num_speculative_tokens: int | None = Field(default=None, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    num_speculative_tokens: int | None = Field(default=None, ge=MIN_SPECULATIVE_TOKENS, le=MAX_SPECULATIVE_TOKENS)
     return_token_ids: bool | None = False
     ignore_eos: bool | None = False
     # standard fields that are refused unless left at their neutral values
