@@ -187,6 +187,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     metrics = scheduler.metrics
+    admission = scheduler.admission  # the checks of every request, once (the scheduler then trusts them)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
@@ -230,13 +231,20 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             "created": int(time.time()),
             "owned_by": "specdecode",
             "max_model_len": scheduler.max_length,
-            "proposers": scheduler.proposers(),
+            "proposers": list(admission.proposers),
             "default_proposer": settings.proposer,
             "speculation": settings.speculation,
         }
         return {"object": "list", "data": [card]}
 
     def prepare(body: _Common, prompt_ids: list[int], max_tokens: int, endpoint: str, prompt: Any) -> ServeRequest:
+        """The request of ``body``, admitted (:meth:`Admission.admit
+        <specdecode.serve.admission.Admission.admit>`: :meth:`Scheduler.submit` does not check it again).
+
+        Raises:
+            APIError: 400 naming the field: another model, bad sampling options, speculation asked of
+                a server without a proposer, or a check of the admission that fails.
+        """
         if body.model != settings.model_name:
             raise APIError(
                 400,
@@ -261,13 +269,6 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         if proposer is None and (body.speculative or body.speculation in ("on", "adaptive")):
             field = "speculative" if body.speculative else "speculation"
             raise bad_request(f"{field}: this server has no proposer; give one in 'proposer'", field)
-        if speculative:
-            assert proposer is not None
-            try:
-                scheduler.check_proposer(proposer)
-                scheduler.check_speculation(body.speculation)
-            except InvalidRequestError as error:
-                raise bad_request(str(error), error.param) from None
         prefix = "chatcmpl-" if endpoint.endswith("chat/completions") else "cmpl-"
         k = settings.k_for(proposer if speculative else None, body.num_speculative_tokens)
         req = ServeRequest(
@@ -299,8 +300,12 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             ignore_eos=bool(body.ignore_eos),
             logprobs=body.num_logprobs(),  # type: ignore[attr-defined]
         )
+        try:
+            admission.admit(req)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
         req.audit_settings["logprobs"] = req.logprobs
-        req.audit_settings["speculation_mode"] = scheduler.mode(req)  # the mode it decodes with
+        req.audit_settings["speculation_mode"] = admission.mode(req)  # the mode it decodes with
         return req
 
     def encode(text: str, add_special_tokens: bool) -> list[int]:

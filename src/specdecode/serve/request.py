@@ -60,7 +60,8 @@ class ServeRequest:
         proposer: the proposer's name (None when not speculative).
         num_speculative_tokens: the most tokens drafted per step (k).
         speculation: this request's speculation mode (``"on"`` or ``"adaptive"``) in place of the
-            server's ``--speculation``, or None for the server's (see :meth:`Scheduler.mode`).
+            server's ``--speculation``, or None for the server's (see
+            :meth:`Admission.mode <specdecode.serve.admission.Admission.mode>`).
         on_event: called from the scheduler thread with every :class:`Event`; must be thread-safe.
         endpoint: the HTTP route, for the audit log.
         audit_settings: settings recorded in the audit log.
@@ -73,6 +74,8 @@ class ServeRequest:
         constraint: structured output (``response_format``, a required tool call): a
             :class:`~specdecode.constraints.JsonSchema` the scheduler turns into the sequence's
             grammar state; None: unconstrained.
+        admitted_by: the :class:`~specdecode.serve.admission.Admission` that checked it (set by
+            :meth:`~specdecode.serve.admission.Admission.admit`), so it is checked once; None: not yet.
     """
 
     request_id: str
@@ -91,6 +94,7 @@ class ServeRequest:
     speculation: str | None = None
     logprobs: int | None = None
     constraint: Any = None
+    admitted_by: Any = field(default=None, repr=False, compare=False)
 
     @property
     def max_k(self) -> int:

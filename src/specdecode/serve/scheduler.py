@@ -25,7 +25,8 @@ request is a :class:`~specdecode.serve.sequence.RunningSequence`, the engine's o
 but the last; same verifier, same use of randomness, same stop rules), so greedy output equals
 target-only greedy decoding and sampled output follows the target's distribution, whatever the
 batch and whatever k the scheduler picks. The request and event types are in
-:mod:`specdecode.serve.request`.
+:mod:`specdecode.serve.request`; the checks a request passes before it queues (once per request,
+the HTTP layer's and :meth:`Scheduler.submit`'s) in :mod:`specdecode.serve.admission`.
 """
 
 from __future__ import annotations
@@ -36,20 +37,18 @@ import threading
 import time
 import traceback
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.engine import eos_token_ids, needs_features
-from specdecode.errors import IncompatibleModelsError
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
-from specdecode.proposers import get_spec, make_proposer
+from specdecode.proposers import make_proposer
 from specdecode.proposers.base import DraftTokens
-from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.schedule import acceptance_trials, expected_tokens
+from specdecode.serve.admission import Admission, available_proposers
 from specdecode.serve.audit import AuditLog, audit_record
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import (
@@ -62,7 +61,7 @@ from specdecode.serve.cost import (
     plan_speculation,
 )
 from specdecode.serve.metrics import ServeMetrics
-from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest, usage
+from specdecode.serve.request import Event, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats
 
@@ -88,8 +87,13 @@ class Scheduler:
         cost: a measured :class:`CostModel`; None measures one at :meth:`start` when
             ``settings.speculation == "adaptive"``.
 
+    Attributes:
+        admission: the server's :class:`~specdecode.serve.admission.Admission` (built here, once:
+            the checks of every request, :meth:`submit`'s and the HTTP layer's).
+
     Raises:
-        ValueError: the default proposer is unknown or needs a draft that was not given.
+        InvalidRequestError: the default proposer cannot run on this server.
+        ValueError: its options are not options of that proposer.
     """
 
     def __init__(
@@ -113,9 +117,10 @@ class Scheduler:
         self.metrics.kv_budget.set(settings.kv_budget_tokens)
         self.audit = audit
         self.cost = cost
-        if settings.proposer is not None:
-            self.check_proposer(settings.proposer)
-            get_spec(settings.proposer).make_config(**settings.proposer_options)  # bad options fail here
+        proposers = available_proposers(
+            settings, target, draft, self.backend, returns_hidden=getattr(self.runner, "returns_hidden", True)
+        )
+        self.admission = Admission(settings, self.runner.max_length, self.runner.vocab_size, proposers)
         self.active: list[RunningSequence] = []  # active[i].row == i
         self.reserved = 0
         self._prior: dict[str, float] = {}
@@ -144,141 +149,42 @@ class Scheduler:
         """The scheduler thread is running."""
         return self._thread is not None and self._thread.is_alive()
 
-    def proposers(self) -> list[str]:
-        """Names of the proposers a request may ask for: those whose models are loaded (with a draft
-        of another vocabulary, ``cross_tokenizer`` is its only draft proposer), and those that read
-        the target's features (Medusa, EAGLE) when a trained drafter for this target is found (the
-        server's ``--drafter`` for its default proposer, else the target's default folder)."""
-        from specdecode.proposers import PROPOSERS
-
-        return sorted(
-            n
-            for n, s in PROPOSERS.items()
-            if self.backend in s.backends
-            and (not s.needs_draft or (self.draft is not None and self._drafts_as_itself(n)))
-            and (not s.needs_target_features or self._has_drafter(n))
-        )
-
     def _row_capacity(self) -> int:
         """KV-cache tokens one row may need: the budget shared out over the rows (a llama.cpp context
         reserves them at creation; the torch cache starts smaller and grows)."""
         return self.settings.kv_budget_tokens // self.settings.max_batch_size
 
-    def _drafts_as_itself(self, name: str) -> bool:
-        """The loaded draft can serve proposer ``name`` (another vocabulary: only ``cross_tokenizer``)."""
-        try:
-            return draft_proposer(name, self.target, self.draft) == name
-        except IncompatibleModelsError:
-            return False
-
-    def _has_drafter(self, name: str) -> bool:
-        """A trained drafter of kind ``name`` for the target is at hand (files only; loading checks the
-        rest), and the batched runner returns the target's features (llama.cpp's does not)."""
-        if not getattr(self.runner, "returns_hidden", True):
-            return False
-        from specdecode.drafters import find_drafter_dir
-        from specdecode.proposers.features import check_drafter_dir
-
-        options = self.settings.proposer_options if name == self.settings.proposer else {}
-        try:
-            check_drafter_dir(Path(options.get("drafter") or find_drafter_dir(name, self.target)), name)
-        except FileNotFoundError:
-            return False
-        return True
+    def proposers(self) -> list[str]:
+        """Names of the proposers a request may ask for (found once, at construction:
+        :func:`~specdecode.serve.admission.available_proposers`)."""
+        return list(self.admission.proposers)
 
     def check_proposer(self, name: str) -> None:
         """Raises InvalidRequestError(param="proposer") unless ``name`` can run on this server."""
-        from specdecode.proposers import PROPOSERS
-
-        if name not in self.proposers():
-            hint = ""
-            if name in PROPOSERS and PROPOSERS[name].needs_target_features:
-                hint = f" ({name!r} needs a drafter trained for this target: specdecode train-drafter --kind {name})"
-            raise InvalidRequestError(
-                f"proposer must be one of {self.proposers()} on this server, got {name!r}{hint}", "proposer"
-            )
-
-    def check_speculation(self, mode: str | None) -> None:
-        """Raises InvalidRequestError(param="speculation") unless a request may ask for ``mode``.
-
-        ``"off"`` and None are always allowed; ``"on"`` and ``"adaptive"`` not on a server started
-        with ``--speculation off``; ``"adaptive"`` only on one started with ``--speculation adaptive``
-        (the cost model is measured at start-up).
-        """
-        server = self.settings.speculation
-        if mode in (None, "off") or mode == server:
-            return
-        if mode not in ("on", "adaptive"):
-            raise InvalidRequestError(
-                f"speculation must be one of 'on', 'off', 'adaptive', got {mode!r}", "speculation"
-            )
-        if server == "off":
-            raise InvalidRequestError(
-                f"speculation {mode!r}: this server runs with --speculation off (target alone for every request)",
-                "speculation",
-            )
-        if mode == "adaptive":
-            raise InvalidRequestError(
-                "speculation 'adaptive' needs the cost model measured at start-up: this server runs with "
-                "--speculation on (start it with --speculation adaptive)",
-                "speculation",
-            )
-
-    def mode(self, req: ServeRequest) -> str:
-        """The speculation mode ``req`` decodes with: ``"off"`` when it does not speculate, else its
-        own ``speculation`` or the server's ``--speculation``."""
-        if not req.speculative or req.speculation == "off":
-            return "off"
-        return req.speculation or self.settings.speculation
+        self.admission.check_proposer(name)
 
     def reservation(self, req: ServeRequest) -> int:
         """KV-cache tokens ``req`` reserves while it runs: ``prompt + max_tokens + k + 1``."""
-        return len(req.prompt_ids) + req.sampling.max_new_tokens + req.max_k + 1
+        return self.admission.reservation(req)
 
     def validate(self, req: ServeRequest) -> None:
-        """Check what only the scheduler knows: prompt length, KV budget, proposer.
+        """Every check of ``req`` (:meth:`Admission.admit <specdecode.serve.admission.Admission.admit>`).
 
         Raises:
             InvalidRequestError: the message names the request field.
         """
-        P = len(req.prompt_ids)
-        if P == 0:
-            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
-        if P >= self.max_length:
-            raise InvalidRequestError(
-                f"the prompt has {P} tokens; a sequence's context on this server is {self.max_length} tokens", "prompt"
-            )
-        if P + req.sampling.max_new_tokens > self.max_length:
-            raise InvalidRequestError(
-                f"the prompt ({P} tokens) plus max_tokens ({req.sampling.max_new_tokens}) exceeds a sequence's "
-                f"context of {self.max_length} tokens: lower max_tokens",
-                "max_tokens",
-            )
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if req.speculative:
-            if req.proposer is None:
-                raise InvalidRequestError("speculative decoding needs a proposer; none is configured", "proposer")
-            self.check_proposer(req.proposer)
-        self.check_speculation(req.speculation)
-        need = self.reservation(req)
-        if need > self.settings.kv_budget_tokens:
-            raise InvalidRequestError(
-                f"the request needs {need} tokens of KV cache (prompt {P} + max_tokens "
-                f"{req.sampling.max_new_tokens} + draft {req.max_k + 1}); the server's budget is "
-                f"{self.settings.kv_budget_tokens}: lower max_tokens",
-                "max_tokens",
-            )
+        self.admission.admit(req)
 
     def submit(self, req: ServeRequest) -> None:
-        """Queue ``req`` (after :meth:`validate`).
+        """Queue ``req``, admitted (:meth:`Admission.admit <specdecode.serve.admission.Admission.admit>`:
+        checked here unless the HTTP layer admitted it already).
 
         Raises:
-            InvalidRequestError: see :meth:`validate`.
+            InvalidRequestError: see :meth:`Admission.admit <specdecode.serve.admission.Admission.admit>`.
             QueueFullError: ``--max-queue`` requests are waiting already.
             RuntimeError: the scheduler is not running.
         """
-        self.validate(req)
+        self.admission.admit(req)
         with self._cond:
             if not self._running:
                 raise RuntimeError("the scheduler is not running")
@@ -420,7 +326,7 @@ class Scheduler:
     def _start(self, req: ServeRequest) -> RunningSequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
         proposer = None
-        if req.speculative and req.proposer is not None and self.mode(req) != "off":
+        if req.speculative and req.proposer is not None and self.admission.mode(req) != "off":
             options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
             try:
                 proposer = make_proposer(req.proposer, draft=self.draft, target=self.target, **options)
@@ -468,7 +374,7 @@ class Scheduler:
     def _plan(self) -> list[int]:
         """k per running sequence for this step (``--speculation`` and the cost model)."""
         max_ks = [s.max_draft() for s in self.active]
-        modes = [self.mode(s.req) for s in self.active]
+        modes = [self.admission.mode(s.req) for s in self.active]
         if "adaptive" not in modes or self.cost is None:  # no cost model yet: adaptive drafts as on
             return [0 if mode == "off" else m for m, mode in zip(max_ks, modes, strict=True)]
         # Rows of requests that asked for "on" draft their k whatever the plan says; the plan is
@@ -620,7 +526,7 @@ class Scheduler:
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         s.finish_reason = reason
-        info = s.summary(self.mode(s.req))
+        info = s.summary(self.admission.mode(s.req))
         timings = info["timings"]
         self.metrics.request_success.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe(timings["e2e_s"])
@@ -637,7 +543,7 @@ class Scheduler:
         now = time.time()
         info = {
             "usage": usage(len(req.prompt_ids), 0),
-            "speculative": speculative_summary(req, self.mode(req), False, SpecStats()),
+            "speculative": speculative_summary(req, self.admission.mode(req), False, SpecStats()),
             "timings": {"created": req.created, "finished": now, "e2e_s": now - req.created},
         }
         self._audit(req, reason, info, message)
