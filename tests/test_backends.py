@@ -88,7 +88,7 @@ def test_the_llamacpp_server_refuses_proposers_that_read_features_naming_both() 
     from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
     from specdecode.serve.loading import ModelSource, load_server_models
 
-    assert LlamaCppBatchedRunner.returns_hidden is False
+    assert LlamaCppBatchedRunner.capabilities.returns_hidden is False
     for name in ("eagle", "medusa"):
         with pytest.raises(ValueError, match=f"--proposer {name}: the llamacpp server's batched runner"):
             load_server_models(ModelSource(backend="llamacpp"), name)

@@ -3,7 +3,8 @@
 Two backends implement the runner contract: ``torch`` (Hugging Face ``transformers`` models,
 :class:`~specdecode.models.runner.ModelRunner`) and ``llamacpp`` (GGUF files on llama.cpp's
 kernels, :class:`~specdecode.models.llamacpp.LlamaCppRunner`). A loaded model of either kind
-becomes a runner through :func:`make_runner`; nothing above that branches on the backend.
+becomes a runner (:mod:`specdecode.models.contract`) through :func:`make_runner`, and says what
+its runners can do through :func:`runner_capabilities`; nothing above that branches on the backend.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from specdecode.errors import ModelNotFoundError
+from specdecode.models.contract import BatchedRunner, Runner, RunnerCapabilities
 
 BACKENDS = ("auto", "torch", "llamacpp")
 """What ``--backend`` accepts."""
@@ -158,20 +160,29 @@ def load_llamacpp_tokenizer(model: Any) -> Any:
     return AutoTokenizer.from_pretrained(gguf_tokenizer_dir(model.path))
 
 
-def make_runner(model: Any) -> Any:
-    """The runner of a loaded model: ``model.make_runner()`` for a backend model that makes its own
-    (llama.cpp), else a :class:`~specdecode.models.runner.ModelRunner` over a ``transformers`` model."""
-    make = getattr(model, "make_runner", None)
-    if make is not None:
-        return make()
+def _is_llamacpp(model: Any) -> bool:
+    """``model`` is a :class:`~specdecode.models.llamacpp.LlamaCppModel` (an isinstance check; the
+    module imports without llama-cpp-python, whose native library loads on first use)."""
+    from specdecode.models.llamacpp import LlamaCppModel
+
+    return isinstance(model, LlamaCppModel)
+
+
+def make_runner(model: Any) -> Runner:
+    """The runner (:class:`~specdecode.models.contract.Runner`) of a loaded model: a llama.cpp
+    model's own (:meth:`~specdecode.models.llamacpp.LlamaCppModel.make_runner`), else a
+    :class:`~specdecode.models.runner.ModelRunner` over a ``transformers`` model."""
+    if _is_llamacpp(model):
+        return model.make_runner()
     from specdecode.models.runner import ModelRunner
 
     return ModelRunner(model)
 
 
-def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = None) -> Any:
-    """The batched runner (many sequences, one pass; the server's) of a loaded model: for a llama.cpp
-    model a :class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner` (its context reserves
+def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = None) -> BatchedRunner:
+    """The batched runner (:class:`~specdecode.models.contract.BatchedRunner`: many sequences, one
+    pass; the server's) of a loaded model: for a llama.cpp model a
+    :class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner` (its context reserves
     ``row_capacity`` tokens per row, default the model's ``n_ctx``), else a
     :class:`~specdecode.models.batch.BatchedRunner` over a ``transformers`` model (its cache starts
     at ``min(row_capacity, 256)`` positions per row and grows as needed).
@@ -179,15 +190,38 @@ def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = No
     Raises:
         ValueError: ``max_rows`` < 1, or a model the batched runner cannot run.
     """
-    if backend_of(model) == "llamacpp":
+    if _is_llamacpp(model):
         from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
 
         return LlamaCppBatchedRunner(model, max_rows, (row_capacity or model.options.n_ctx) * max_rows)
-    from specdecode.models.batch import BatchedRunner
+    from specdecode.models.batch import BatchedRunner as TorchBatchedRunner
 
-    return BatchedRunner(model, max_rows, capacity=min(row_capacity or 256, 256))
+    return TorchBatchedRunner(model, max_rows, capacity=min(row_capacity or 256, 256))
 
 
 def backend_of(model: Any) -> str:
-    """``"llamacpp"`` or ``"torch"``: the backend a loaded model runs on (its ``backend`` attribute)."""
-    return str(getattr(model, "backend", "torch"))
+    """``"llamacpp"`` or ``"torch"``: the backend a loaded model runs on, for records and messages
+    (what a model can do is :func:`runner_capabilities`, not this name)."""
+    return runner_capabilities(model).backend
+
+
+def runner_class(model: Any) -> type:
+    """The class of the runner :func:`make_runner` makes of ``model`` (for messages and checks)."""
+    if _is_llamacpp(model):
+        from specdecode.models.llamacpp import LlamaCppRunner
+
+        return LlamaCppRunner
+    from specdecode.models.runner import ModelRunner
+
+    return ModelRunner
+
+
+def runner_capabilities(model: Any) -> RunnerCapabilities:
+    """What the runner :func:`make_runner` makes of ``model`` can do, before making one (a
+    proposer deciding how to build itself: a reduced head, an int8 copy, a drafter's LM-head rows):
+    :attr:`LlamaCppModel.capabilities <specdecode.models.llamacpp.LlamaCppModel.capabilities>`
+    for a llama.cpp model, else :attr:`ModelRunner.capabilities
+    <specdecode.models.runner.ModelRunner.capabilities>`."""
+    if _is_llamacpp(model):
+        return model.capabilities  # its options decide batch_invariant and greedy_hints
+    return runner_class(model).capabilities  # type: ignore[attr-defined]

@@ -37,6 +37,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.models.compat import cache_kwargs
+from specdecode.models.contract import RowTable, RunnerCapabilities
 from specdecode.models.runner import check_decoder_logits
 
 _ATTENTION = ("sdpa", "eager")
@@ -146,16 +147,18 @@ class BatchedRunner:
         ValueError: ``max_rows`` < 1, or an attention implementation other than sdpa / eager.
     """
 
+    capabilities = RunnerCapabilities(backend="torch", returns_hidden=True, trees=False, model_insides=True)
+    """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
+    features, no trees, the model's insides; one pass scores every row (no greedy hints)."""
+
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int = 256) -> None:
-        if not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+        self.rows = RowTable(max_rows)  # checks max_rows
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
         if attention not in _ATTENTION:
             raise ValueError(f"the batched runner needs sdpa or eager attention, the model uses {attention!r}")
         self.model = model.eval()
         self.max_rows = max_rows
         self.cache = BatchedKVCache(max_rows, capacity)
-        self.lengths: list[int] = []  # per row: cached tokens
         config = model.config
         self._layer_types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
         self._window = getattr(config, "sliding_window", None)
@@ -176,7 +179,12 @@ class BatchedRunner:
 
     @property
     def num_rows(self) -> int:
-        return len(self.lengths)
+        return self.rows.num_rows
+
+    @property
+    def lengths(self) -> list[int]:
+        """Per row, its cached tokens (:class:`~specdecode.models.contract.RowTable`)."""
+        return self.rows.lengths
 
     def add_row(self) -> int:
         """Start an empty row at the end; returns its index.
@@ -184,37 +192,27 @@ class BatchedRunner:
         Raises:
             RuntimeError: all ``max_rows`` rows are in use.
         """
-        if self.num_rows >= self.max_rows:
-            raise RuntimeError(f"all {self.max_rows} rows of the batched runner are in use")
-        self.lengths.append(0)
-        return self.num_rows - 1
+        return self.rows.add()
 
     def remove_row(self, row: int) -> int | None:
-        """Free ``row``: the last row moves into its place.
+        """Free ``row``: the last row's cached entries move into its place.
 
         Returns:
             the former index of the row that moved to ``row`` (the caller renumbers it), or None
             when ``row`` was the last one.
         """
         last = self.num_rows - 1
-        if not 0 <= row <= last:
-            raise ValueError(f"row must be in [0, {last}], got {row}")
-        if row == last:
-            self.lengths.pop()
-            return None
-        self.cache.move_row(last, row, self.lengths[last])
-        self.lengths[row] = self.lengths.pop()
-        return last
+        if self.rows.check_row(row) != last:
+            self.cache.move_row(last, row, self.lengths[last])
+        return self.rows.remove(row)
 
     def truncate(self, row: int, length: int) -> None:
-        """Keep only the first ``length`` cached tokens of ``row`` (rollback).
+        """Keep only the first ``length`` cached tokens of ``row`` (rollback: the length pointer moves).
 
         Raises:
             ValueError: ``length`` is negative or longer than the row.
         """
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"truncate length of row {row} must be in [0, {self.lengths[row]}], got {length}")
-        self.lengths[row] = length
+        self.rows.truncate(row, length)
 
     def _masks(self, positions: torch.Tensor, kv_length: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Additive masks ``(B, 1, T, L)``: 0 where key ``j <= position`` (and inside the window), else -inf-like."""
@@ -262,8 +260,7 @@ class BatchedRunner:
                 with ``return_hidden``, a model whose logits are not ``lm_head(hidden states)``.
         """
         B = len(inputs)
-        if B == 0 or len(num_logits) != B or not 0 <= first <= first + B <= self.num_rows:
-            raise ValueError(f"rows {first}..{first + B - 1} with {len(num_logits)} num_logits, have {self.num_rows}")
+        self.rows.check_call(first, B, len(num_logits))
         sizes = [int(x.shape[0]) for x in inputs]
         for b, (n, m) in enumerate(zip(sizes, num_logits, strict=True)):
             if n < 1 or not 1 <= m <= n:
@@ -300,7 +297,7 @@ class BatchedRunner:
         for b, (n, m) in enumerate(zip(sizes, num_logits, strict=True)):
             cols = [column[p] for p in range(n - m, n)]
             result.append(logits[b, cols[0] : cols[-1] + 1].float())  # (m, V): wanted is sorted, runs are contiguous
-            self.lengths[first + b] += n
+            self.rows.lengths[first + b] += n
         if hidden is None:
             return result
         return result, [hidden[b, :n] for b, n in enumerate(sizes)]

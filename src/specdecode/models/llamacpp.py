@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from specdecode.models.contract import RunnerCapabilities
 
 if TYPE_CHECKING:
     from specdecode.models.llamacpp_kernels import ReferenceKernels
@@ -146,6 +148,7 @@ class LlamaCppModel:
     """
 
     backend = "llamacpp"
+    """The backend it runs on, for records (:func:`specdecode.models.backends.backend_of`)."""
 
     def __init__(self, path: str | Path, options: LlamaCppOptions | None = None) -> None:
         self.path = Path(path)
@@ -170,6 +173,13 @@ class LlamaCppModel:
         eos = {int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))}
         self.eos_token_ids = frozenset(i for i in eos if i >= 0)
         self.weight_bytes = int(lib.llama_model_size(self._model))
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """What its runners (:meth:`make_runner`) can do: :attr:`LlamaCppRunner.capabilities`, with
+        ``batch_invariant`` and ``greedy_hints`` as :attr:`LlamaCppOptions.exact` says."""
+        exact = bool(self.options.exact)
+        return replace(LlamaCppRunner.capabilities, batch_invariant=exact, greedy_hints=exact)
 
     @property
     def dtype(self) -> str:
@@ -306,12 +316,19 @@ class LlamaCppRunner:
         ValueError: llama.cpp cannot create the context.
     """
 
-    head_ids = None  # the full vocabulary (a reduced head is the torch backend's)
+    head_ids = None  # the full vocabulary (capabilities.reduced_head is False)
+
+    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=True, trees=True)
+    """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
+    features (embeddings) and trees (walked depth-first); no reduced head, no torch insides (a
+    drafter reads the LM head and embeddings from the GGUF file). An instance's ``batch_invariant``
+    and ``greedy_hints`` are its model's ``exact`` option (:attr:`LlamaCppModel.capabilities`)."""
 
     def __init__(self, model: LlamaCppModel, n_ctx: int | None = None) -> None:
         lib = _lib()
         self.model = model
         options = model.options
+        self.capabilities = model.capabilities
         self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx, n_seq_max=1)
         self._n_ctx = int(lib.llama_n_ctx(self._ctx))
         self._memory = lib.llama_get_memory(self._ctx)

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from specdecode.models.contract import RowTable, RunnerCapabilities
 from specdecode.models.llamacpp import LlamaCppModel, _lib, decode_batch, free_context, new_context
 
 
@@ -102,25 +104,24 @@ class LlamaCppBatchedRunner:
         ValueError: ``max_rows`` < 1, or llama.cpp cannot create the context.
     """
 
-    returns_hidden = False
-    """No features (``return_hidden``): the server does not offer Medusa / EAGLE on this runner
-    (``specdecode generate`` runs them on llama.cpp, one sequence)."""
+    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=False, trees=False)
+    """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
+    no features (``return_hidden``: the server does not offer Medusa / EAGLE on this runner;
+    ``specdecode generate`` runs them on llama.cpp, one sequence), no trees; an instance's
+    ``batch_invariant`` and ``greedy_hints`` are its model's ``exact`` option."""
 
     def __init__(self, model: LlamaCppModel, max_rows: int, n_ctx: int | None = None) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+        self.rows = RowTable(max_rows)  # checks max_rows; a row's slot is its llama.cpp sequence id
         lib = _lib()
         self.model = model
         self.max_rows = max_rows
         options = model.options
+        self.capabilities = replace(type(self).capabilities, batch_invariant=options.exact, greedy_hints=options.exact)
         self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
         self._per_row = int(lib.llama_n_ctx(self._ctx)) // max_rows
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
         self._lib = lib
-        self.lengths: list[int] = []  # per row: cached tokens
-        self.seq_ids: list[int] = []  # per row: its llama.cpp sequence id
-        self._free_ids = set(range(max_rows))  # unused sequence ids (a new row takes the lowest)
         self.passes = 0  # llama_decode calls made
 
     # ------------------------------------------------------------------ rows
@@ -139,42 +140,38 @@ class LlamaCppBatchedRunner:
 
     @property
     def num_rows(self) -> int:
-        return len(self.lengths)
+        return self.rows.num_rows
+
+    @property
+    def lengths(self) -> list[int]:
+        """Per row, its cached tokens (:class:`~specdecode.models.contract.RowTable`)."""
+        return self.rows.lengths
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """Per row, its llama.cpp sequence id (the row table's slot)."""
+        return self.rows.slots
 
     def add_row(self) -> int:
-        """Start an empty row at the end; returns its index.
+        """Start an empty row at the end, on the lowest free sequence id (rows' ids stay consecutive:
+        one micro-batch, see the module docstring); returns its index.
 
         Raises:
             RuntimeError: all ``max_rows`` rows are in use.
         """
-        if not self._free_ids:
-            raise RuntimeError(f"all {self.max_rows} rows of the batched runner are in use")
-        seq = min(self._free_ids)  # the lowest: rows' ids stay consecutive (one micro-batch, see above)
-        self._free_ids.remove(seq)
-        self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)  # empty, whatever it held before
-        self.seq_ids.append(seq)
-        self.lengths.append(0)
-        return self.num_rows - 1
+        row = self.rows.add()
+        self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[row], 0, -1)  # empty, whatever it held before
+        return row
 
     def remove_row(self, row: int) -> int | None:
-        """Free ``row`` (its cells); the last row takes its index (no data moves).
+        """Free ``row`` (its cells); the last row takes its index (no data moves, only the row ->
+        sequence id map changes).
 
         Returns:
             the former index of the row that moved to ``row``, or None when ``row`` was the last.
         """
-        last = self.num_rows - 1
-        if not 0 <= row <= last:
-            raise ValueError(f"row must be in [0, {last}], got {row}")
-        seq = self.seq_ids[row]
-        self._lib.llama_memory_seq_rm(self._memory, seq, 0, -1)
-        self._free_ids.add(seq)
-        if row == last:
-            self.seq_ids.pop()
-            self.lengths.pop()
-            return None
-        self.seq_ids[row] = self.seq_ids.pop()
-        self.lengths[row] = self.lengths.pop()
-        return last
+        self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[self.rows.check_row(row)], 0, -1)
+        return self.rows.remove(row)
 
     def truncate(self, row: int, length: int) -> None:
         """Keep only the first ``length`` cached tokens of ``row`` (rollback).
@@ -182,12 +179,9 @@ class LlamaCppBatchedRunner:
         Raises:
             ValueError: ``length`` is negative or longer than the row.
         """
-        if not 0 <= length <= self.lengths[row]:
-            raise ValueError(f"truncate length of row {row} must be in [0, {self.lengths[row]}], got {length}")
-        if length < self.lengths[row]:
+        if self.rows.truncate(row, length):
             if not self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[row], length, -1):  # pragma: no cover
                 raise RuntimeError(f"llama.cpp could not truncate row {row} to {length} tokens")
-            self.lengths[row] = length
 
     # ------------------------------------------------------------------ passes
     def forward(
@@ -220,14 +214,14 @@ class LlamaCppBatchedRunner:
 
         Raises:
             ValueError: rows outside ``0 .. num_rows - 1``, an empty input, a bad ``num_logits``, a
-                row that would not fit in :attr:`max_length`, or ``return_hidden``.
+                row that would not fit in :attr:`max_length`.
+            CapabilityError: ``return_hidden`` (a ValueError; this runner returns no features).
             RuntimeError: ``llama_decode`` failed.
         """
         B = len(inputs)
-        if B == 0 or len(num_logits) != B or not 0 <= first <= first + B <= self.num_rows:
-            raise ValueError(f"rows {first}..{first + B - 1} with {len(num_logits)} num_logits, have {self.num_rows}")
+        self.rows.check_call(first, B, len(num_logits))
         if return_hidden:
-            raise ValueError("return_hidden: the llamacpp batched runner returns no features (use --backend torch)")
+            self.capabilities.require("returns_hidden", self, "return_hidden (features for Medusa / EAGLE)")
         tokens = [x.reshape(-1).tolist() for x in inputs]
         for b, (ids, m) in enumerate(zip(tokens, num_logits, strict=True)):
             row = first + b
@@ -274,7 +268,7 @@ class LlamaCppBatchedRunner:
             for row, _, _ in part:
                 done[row] += 1
         for row, n in done.items():
-            self.lengths[row] += n
+            self.rows.lengths[row] += n
         return [torch.stack(out[first + b]) for b in range(B)]
 
     def _decode(self, entries: list[tuple[int, int, bool]], tokens: list[list[int]], first: int) -> list[torch.Tensor]:

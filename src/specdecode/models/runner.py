@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.models.compat import cache_kwargs
+from specdecode.models.contract import RunnerCapabilities
 from specdecode.models.cpu import use_onednn_linears
 
 # Config attributes of models whose logits are not plain ``lm_head(hidden states)`` (soft-capping in
@@ -102,6 +103,13 @@ class ModelRunner:
             logits are not plain ``lm_head(hidden states)`` (logit soft-capping or scaling, or a
             forward that does not use ``get_decoder()``), which a reduced head would not reproduce.
     """
+
+    capabilities = RunnerCapabilities(
+        backend="torch", returns_hidden=True, trees=True, reduced_head=True, model_insides=True
+    )
+    """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
+    features, trees, a reduced head, the model's insides; one pass scores every row (no greedy
+    hints), not batch-invariant bit for bit."""
 
     def __init__(
         self, model: PreTrainedModel, head_ids: torch.Tensor | None = None, head_module: torch.nn.Module | None = None

@@ -118,7 +118,7 @@ class Scheduler:
         self.audit = audit
         self.cost = cost
         proposers = available_proposers(
-            settings, target, draft, self.backend, returns_hidden=getattr(self.runner, "returns_hidden", True)
+            settings, target, draft, self.backend, returns_hidden=self.runner.capabilities.returns_hidden
         )
         self.admission = Admission(settings, self.runner.max_length, self.runner.vocab_size, proposers)
         self.active: list[RunningSequence] = []  # active[i].row == i
