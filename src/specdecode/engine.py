@@ -47,11 +47,11 @@ from specdecode.verify import VerifyResult, verify_tree
 
 
 def draft_quantization(proposer: Proposer | None) -> str:
-    """``"int8"`` when ``proposer`` (or the model proposer a prompt-lookup hybrid wraps) drafts with
-    an int8 draft (:attr:`DraftModelProposer.quantization`), ``"int8-head"`` for a Medusa / EAGLE
-    drafter with int8 LM-head rows, else ``"none"``."""
-    inner = getattr(proposer, "model", None)  # LookupFirstProposer wraps its model proposer
-    return str(getattr(proposer, "quantization", None) or getattr(inner, "quantization", None) or "none")
+    """The proposer's declared ``quantization`` (:mod:`specdecode.proposers.base`): ``"int8"`` for an
+    int8 draft (:attr:`DraftModelProposer.quantization`; a prompt-lookup hybrid says its model
+    proposer's), ``"int8-head"`` for a Medusa / EAGLE drafter with int8 LM-head rows, else
+    ``"none"`` (also without a proposer)."""
+    return "none" if proposer is None else str(proposer.quantization)
 
 
 @dataclass

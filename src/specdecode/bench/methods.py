@@ -143,9 +143,8 @@ class BenchModels:
         """Forget cross-request proposer state (a proposer's ``clear_cache()``, e.g. the suffix
         proposer's cache of earlier outputs) in every engine built so far."""
         for generator in self._generators.values():
-            clear = getattr(generator.proposer, "clear_cache", None)
-            if clear is not None:
-                clear()
+            if generator.proposer is not None:
+                generator.proposer.clear_cache()  # declared by every proposer (ProposerBase: a no-op)
 
     def require_draft(self) -> PreTrainedModel:
         """The draft model.

@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from specdecode.models.backends import backend_of, runner_capabilities
 from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, DraftTokens, Proposer, proposer_weight_bytes
 from specdecode.proposers.cross_tokenizer import CrossTokenizerConfig, CrossTokenizerProposer, tokenizer_of
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
@@ -42,8 +43,11 @@ class ProposerSpec:
         default_num_speculative_tokens: the k its proposers use when the caller gives none (the
             built proposer's class attribute of the same name; :meth:`default_k` for given options).
         backends: the backends it runs on (:mod:`specdecode.models.backends`); a proposer that reads
-            the torch model's insides (early exit: the target's first layers) is ``("torch",)``.
-            Medusa and EAGLE read the target's final hidden states, which llama.cpp returns too.
+            the torch model's insides (early exit: the target's first layers, the runner capability
+            ``model_insides``) is ``("torch",)``. Medusa and EAGLE read the target's final hidden
+            states, which llama.cpp returns too. Declarative data for the load path only (which
+            backend to load, or a refusal before any weights load); a built proposer asks its
+            runner's :class:`~specdecode.models.contract.RunnerCapabilities`, never this name.
     """
 
     name: str
@@ -100,8 +104,8 @@ def _cross_tokenizer(
     Two GGUF models on llama.cpp: the tokenizers in their files."""
     if draft is None or target is None:
         raise ValueError("proposer 'cross_tokenizer' needs a draft model (--draft) and the target model")
-    backends = {getattr(m, "backend", "torch") for m in (target, draft)}
-    if backends == {"llamacpp"}:  # GGUF files: the tokenizers their files carry, the weights' bytes
+    insides = {runner_capabilities(m).model_insides for m in (target, draft)}
+    if insides == {False}:  # no torch modules (GGUF files): the tokenizers their files carry, the weights' bytes
         from specdecode.models.backends import load_llamacpp_tokenizer
 
         return CrossTokenizerProposer(
@@ -112,8 +116,11 @@ def _cross_tokenizer(
             target_vocab_size=target.vocab_size,
             cost_ratio=draft.weight_bytes / target.weight_bytes,  # decoding reads every weight once per pass
         )
-    if len(backends) > 1:
-        raise ValueError(f"proposer 'cross_tokenizer': the target and the draft run on one backend, got {backends}")
+    if len(insides) > 1:
+        raise ValueError(
+            "proposer 'cross_tokenizer': the target and the draft run on one backend, got "
+            f"{backend_of(target)} and {backend_of(draft)}"
+        )
 
     def count(model: PreTrainedModel) -> int:
         return sum(p.numel() for p in model.parameters())

@@ -27,6 +27,17 @@ attributes, never probe for them:
   (and so the CLI, the API and ``specdecode bench``) uses when the caller gives none. It is a
   measured choice (the proposer's docstring says where), not a limit: any k in that range still works.
 
+- ``quantization`` (default ``"none"``): what its drafts run on, for records (the
+  ``draft_quantization`` statistic): ``"int8"`` (an int8 draft), ``"int8-head"`` (a drafter's int8
+  LM-head rows), ``"none"``.
+- ``clear_cache()`` (default: nothing): forget state kept *across* requests (the suffix proposer's
+  cache of earlier outputs); ``reset`` forgets one request's.
+
+Two more attributes have defaults in :class:`ProposerBase` without being part of the protocol:
+``vocab_size`` (the vocabulary its drafted ids come from, checked against the target's; None: any,
+it drafts ids from the context) and ``drafter`` (the trained torch module a features proposer
+drafts with, whose width the server's cost probe reads; None otherwise).
+
 A proposer of one's own subclasses :class:`ProposerBase` (or declares every attribute of
 :class:`Proposer` itself); :func:`check_proposer` says what is missing otherwise.
 """
@@ -102,9 +113,13 @@ class Proposer(Protocol):
     supports_tree: bool
     needs_target_features: bool
     default_num_speculative_tokens: int
+    quantization: str
 
     def reset(self) -> None:
         """Forget everything about the previous request (no state leaks between calls)."""
+
+    def clear_cache(self) -> None:
+        """Forget state kept across requests (a no-op for most proposers)."""
 
     def propose(
         self,
@@ -140,9 +155,15 @@ class ProposerBase:
     supports_tree: bool = False
     needs_target_features: bool = False
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    quantization: str = "none"
+    vocab_size: int | None = None  # None: drafts ids of any vocabulary (taken from the context)
+    drafter: torch.nn.Module | None = None  # a features proposer's trained drafter
 
     def reset(self) -> None:
         """Nothing to forget."""
+
+    def clear_cache(self) -> None:
+        """Nothing kept across requests."""
 
     def observe(self, result: VerifyResult) -> None:
         """No feedback needed."""
@@ -163,8 +184,9 @@ def check_proposer(proposer: object) -> None:
         TypeError: a member is missing (the message names them), or ``supports_tree`` is set
             without a ``propose_tree`` method.
     """
-    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens")
-    missing = [m for m in (*members, "reset", "propose", "observe", "observe_features") if not hasattr(proposer, m)]
+    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens", "quantization")
+    methods = ("reset", "clear_cache", "propose", "observe", "observe_features")
+    missing = [m for m in (*members, *methods) if not hasattr(proposer, m)]
     if missing:
         raise TypeError(
             f"proposer {type(proposer).__name__} lacks {', '.join(missing)}: subclass "

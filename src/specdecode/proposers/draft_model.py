@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.models.backends import make_runner, runner_capabilities, runner_class
+from specdecode.models.contract import RunnerCapabilities
 from specdecode.models.quant import (
     check_draft_quantization,
     resolve_draft_quantization,
@@ -163,9 +165,9 @@ class DraftModelProposer(ProposerBase):
         self.config = config or DraftModelConfig()
         head_ids = self.config.head_ids()
         self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
-        make_runner = getattr(model, "make_runner", None)
-        if make_runner is not None:  # a backend model (llama.cpp) that makes its own runner
-            self._init_backend_runner(model, head_ids)
+        capabilities = runner_capabilities(model)
+        if not capabilities.model_insides:  # no torch modules to copy or slice (a GGUF file on llama.cpp)
+            self._init_plain_runner(model, head_ids, capabilities)
             return
         V = int(model.get_output_embeddings().weight.shape[0])
         if head_ids is not None and int(head_ids.max()) >= V:
@@ -185,23 +187,23 @@ class DraftModelProposer(ProposerBase):
         except ValueError as error:
             raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
 
-    def _init_backend_runner(self, model: Any, head_ids: torch.Tensor | None) -> None:
-        """The draft on a backend that makes its own runner (llama.cpp): a GGUF file is quantized
-        already, and the reduced head is the torch backend's.
+    def _init_plain_runner(self, model: Any, head_ids: torch.Tensor | None, capabilities: RunnerCapabilities) -> None:
+        """The draft's runner as :func:`~specdecode.models.backends.make_runner` makes it, for a
+        model without torch insides (a GGUF file on llama.cpp: quantized already).
 
         Raises:
-            ValueError: ``token_map`` or ``draft_quantization="int8"`` (the message names the backend).
+            CapabilityError: ``token_map`` on a runner without ``reduced_head``, or
+                ``draft_quantization="int8"`` (an int8 copy needs ``model_insides``); the message
+                names the runner and the capability.
         """
-        backend = getattr(model, "backend", type(model).__name__)
+        runner = runner_class(model)
         if head_ids is not None:
-            raise ValueError(f"token_map: the {backend} backend drafts over the full vocabulary; use --backend torch")
+            capabilities.require("reduced_head", runner, "token_map (a reduced draft LM head; use --backend torch)")
         if self.config.draft_quantization == "int8":
-            raise ValueError(
-                f"draft_quantization: 'int8' is the torch backend's; on {backend} the GGUF file's own "
-                "quantization runs (use 'auto' or 'none')"
-            )
+            need = "draft_quantization 'int8' (the file's own quantization runs: use 'auto' or 'none')"
+            capabilities.require("model_insides", runner, need)
         self.quantization = "none"
-        self.runner = model.make_runner()
+        self.runner = make_runner(model)
 
     @property
     def vocab_size(self) -> int:

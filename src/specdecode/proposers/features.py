@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters import find_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
+from specdecode.models.backends import runner_capabilities
 from specdecode.proposers.hybrid import (
     check_prompt_lookup,
     prompt_lookup_max_field,
@@ -42,7 +43,7 @@ def resolve_head_quantization(value: str | None, target: PreTrainedModel) -> str
     """What ``head_quantization`` means for ``target``: ``"int8"`` or ``"none"`` (``"auto"``: int8
     when the target is on the CPU; None: ``"none"``)."""
     if value == "auto":
-        if getattr(target, "backend", "torch") == "llamacpp":  # a GGUF target: the drafter runs on the CPU
+        if not runner_capabilities(target).model_insides:  # rows read from its file (a GGUF): on the CPU
             return "int8"
         return "int8" if target.get_output_embeddings().weight.device.type == "cpu" else "none"
     return value or "none"
@@ -138,7 +139,7 @@ def load_for_target(kind: str, config: TrainedDrafterConfig, target: PreTrainedM
     """
     if target is None:
         raise ValueError(f"proposer {kind!r} needs the target model (its drafter reads the target's features)")
-    if getattr(target, "backend", "torch") == "llamacpp":
+    if not runner_capabilities(target).model_insides:  # no torch LM head to borrow: rows from its GGUF file
         return _load_for_gguf(kind, config, target)
     default = config.drafter is None
     path = find_drafter_dir(kind, target) if default else Path(config.drafter)  # type: ignore[arg-type]

@@ -98,7 +98,8 @@ class LookupFirstProposer(ProposerBase):
     """Drafts from an n-gram match in the context when there is one, else with ``model``.
 
     Args:
-        model: the model proposer (any :class:`~specdecode.proposers.base.Proposer`).
+        model: the model proposer (a :class:`~specdecode.proposers.base.ProposerBase`: its
+            ``vocab_size``, ``drafter`` and ``quantization`` are this proposer's).
         min_ngram: the shortest suffix of the context whose earlier occurrence is trusted (>= 1).
         max_ngram: the longest one, looked up first (>= min_ngram).
 
@@ -124,7 +125,11 @@ class LookupFirstProposer(ProposerBase):
     default_num_speculative_tokens = LOOKUP_FIRST_DEFAULT_K
 
     def __init__(
-        self, model: Proposer, min_ngram: int, max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX, model_k: int | None = None
+        self,
+        model: ProposerBase,
+        min_ngram: int,
+        max_ngram: int = DEFAULT_PROMPT_LOOKUP_MAX,
+        model_k: int | None = None,
     ) -> None:
         PromptLookupConfig(max_ngram=max_ngram, min_ngram=min_ngram)  # the bounds of prompt lookup's own options
         self.model = model
@@ -133,11 +138,25 @@ class LookupFirstProposer(ProposerBase):
         self.max_ngram = max_ngram
         self.name = f"{model.name}+lookup"
         self.needs_target_features = model.needs_target_features
-        if hasattr(model, "vocab_size"):  # the engine checks it against the target's
-            self.vocab_size: int = model.vocab_size
-        if hasattr(model, "drafter"):  # a trained drafter (the server's cost probe feeds it features)
-            self.drafter = model.drafter
         self.reset()
+
+    @property
+    def vocab_size(self) -> int | None:  # type: ignore[override]
+        """The model proposer's (the engine checks it against the target's)."""
+        return self.model.vocab_size
+
+    @property
+    def drafter(self) -> torch.nn.Module | None:  # type: ignore[override]
+        """The model proposer's trained drafter, if any (the server's cost probe feeds it features)."""
+        return self.model.drafter
+
+    @property
+    def quantization(self) -> str:  # type: ignore[override]
+        """The model proposer's (recorded as the ``draft_quantization`` statistic)."""
+        return self.model.quantization
+
+    def clear_cache(self) -> None:
+        self.model.clear_cache()
 
     def reset(self) -> None:
         self.model.reset()
@@ -197,7 +216,7 @@ class LookupFirstTreeProposer(LookupFirstProposer):
         return self.model.propose_tree(context, tree, sampling, generator)  # type: ignore[attr-defined]
 
 
-def with_prompt_lookup(model: Proposer, config: Any) -> Proposer:
+def with_prompt_lookup(model: ProposerBase, config: Any) -> Proposer:
     """``model`` itself when ``config.prompt_lookup_min`` is 0, else ``model`` behind prompt lookup
     (:class:`LookupFirstTreeProposer` when ``model`` drafts trees)."""
     if not config.prompt_lookup_min:

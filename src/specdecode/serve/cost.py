@@ -352,7 +352,7 @@ def measure_draft_cost(proposer: object, vocab_size: int, k: int, context: int =
     """
     g = torch.Generator().manual_seed(0)
     sampling = SamplingParams()
-    drafter = getattr(proposer, "drafter", None) if needs_features(proposer) else None
+    drafter = proposer.drafter if needs_features(proposer) else None  # type: ignore[attr-defined]  # ProposerBase
 
     def features(m: int) -> None:  # the target's features of the next m positions, as the scheduler passes them
         if drafter is not None:
