@@ -83,7 +83,7 @@ COMMANDS = tour_commands()
 
 def test_the_tour_has_commands_and_snippets() -> None:
     """The extraction finds what the tour shows (a guard against a heading or fence renamed)."""
-    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "bench", "serve") for argv in COMMANDS)
+    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "bench", "serve", "doctor") for argv in COMMANDS)
     assert any("--compare" in argv for argv in COMMANDS)
     assert len(code_blocks("python")) == 2
 
@@ -122,6 +122,9 @@ def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
         check_generate(argv, done)
     elif argv[0] == "bench":
         check_bench(argv, done, tmp_path / "bench")
+    elif argv[0] == "doctor":  # the machine, the build, its smoke test (passed: these tests run on it), the choice
+        assert done.stdout.startswith("cpu: ") and "smoke test" in done.stdout and "passed" in done.stdout, done.stdout
+        assert done.stdout.strip().splitlines()[-1].startswith("--backend auto: llamacpp"), done.stdout
     else:
         assert done.stdout.strip(), "no output"
 
