@@ -1,7 +1,9 @@
 """Which llama.cpp build is fastest here: plain and speculative decoding per build, side by side.
 
 Each build is a folder where a llama-cpp-python wheel was installed with
-``pip install --no-deps --target DIR WHEEL`` (``venv`` names the one installed in the virtualenv).
+``pip install --no-deps --target DIR WHEEL`` (``venv`` names the one installed in the virtualenv),
+optionally followed by more folders put first on ``PYTHONPATH``, comma-separated (e.g. the ``src``
+of a worktree of an older commit: code and build before against code and build after).
 A build runs in a child process of its own (two native libraries cannot share one process), which
 decodes the same prompts with llama-cpp-python's own plain generation (the peer), specdecode's
 target alone (exact mode) and specdecode's default (prompt lookup after 3-token matches, exact).
@@ -68,7 +70,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--build", action="append", default=[], metavar="NAME=DIR", help="repeatable")
+    parser.add_argument("--build", action="append", default=[], metavar="NAME=DIR[,SRC...]", help="repeatable")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=3, help="per category")
     parser.add_argument("--categories", default="humaneval,coding")
@@ -86,10 +88,9 @@ def main() -> None:
                args.categories, "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     for r in range(args.rounds):
         for build in list(builds) if r % 2 == 0 else list(builds)[::-1]:
-            folder = builds[build]
             env = dict(os.environ)
-            if folder != "venv":
-                env["PYTHONPATH"] = os.pathsep.join([str(Path(folder).resolve()), env.get("PYTHONPATH", "")])
+            paths = [str(Path(p).resolve()) for p in builds[build].split(",") if p != "venv"]
+            env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
             proc = subprocess.run(forward, env=env, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
