@@ -1,8 +1,8 @@
 """One load path: which backend and proposer run, then the models (docs/design.md §2b).
 
-``SpeculativeGenerator.from_pretrained``, ``specdecode generate``, ``specdecode bench``,
-``specdecode serve`` and each Ray Serve replica load through the two steps here, so they share one
-policy::
+``SpeculativeGenerator.from_pretrained``, ``specdecode generate``, ``specdecode serve`` and each
+Ray Serve replica load through the two steps here, so they share one policy (``specdecode bench``
+still loads its models itself, resolving the backend once)::
 
     plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **options)
     loaded = load_models(plan)          # LoadedModels: target, tokenizer, draft, proposer, ...
@@ -139,7 +139,7 @@ def llamacpp_refusal(name: str, server: bool = False) -> str | None:
             f"proposer {name!r} is not available on the llamacpp backend (it runs on "
             f"{', '.join(spec.backends)}); use backend='torch' (--backend torch)"
         )
-    if server and spec.needs_target_features:  # LlamaCppBatchedRunner.returns_hidden is False
+    if server and spec.needs_target_features:  # LlamaCppBatchedRunner.capabilities.returns_hidden is False
         return (
             f"--proposer {name}: the llamacpp server's batched runner returns no hidden states, which "
             f"{name} reads (specdecode generate runs it on llama.cpp); use --backend torch to serve it"
