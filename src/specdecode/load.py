@@ -2,7 +2,7 @@
 
 ``SpeculativeGenerator.from_pretrained``, ``specdecode generate``, ``specdecode serve`` and each
 Ray Serve replica load through the two steps here, so they share one policy (``specdecode bench``
-still loads its models itself, resolving the backend once)::
+still loads its models itself: one backend for all its methods, refusing a method it cannot run)::
 
     plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **options)
     loaded = load_models(plan)          # LoadedModels: target, tokenizer, draft, proposer, ...
