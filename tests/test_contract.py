@@ -188,3 +188,41 @@ def test_the_probe_patterns_catch_the_old_probes() -> None:
     ]
     for line in old:
         assert any(p.search(line) for p in PROBES), line
+
+
+BACKEND_BRANCH = re.compile(
+    r"""(==|!=|\bis\b|\bin\b)\s*[(\[{]?\s*["'](llamacpp|torch)["']|["'](llamacpp|torch)["']\s*(==|!=|\bin\b|\bnot\s+in\b)"""
+)
+BACKEND_BRANCHES_ALLOWED = ("models/", "load.py")
+"""Where a value may be compared to a backend's name: the backends themselves and the one load path
+(docs/design.md §2b). Above them a backend is a capability (``runner.capabilities``,
+``models.backends.runner_capabilities``) or a load (:mod:`specdecode.load`); the data that maps a
+backend to a default (``models.backends.default_proposer``, ``commands.bench.QUICK_PEERS``) and a
+method's or proposer's ``backends`` tuple (``bench.methods``, ``proposers``) are tables, not branches."""
+
+
+def test_no_backend_branch_above_the_models_but_the_load_path() -> None:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        relative = path.relative_to(SRC).as_posix()
+        if relative.startswith(BACKEND_BRANCHES_ALLOWED):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if BACKEND_BRANCH.search(line.split("#")[0]):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    assert not found, "backend branches above models/ (ask a capability or load through specdecode.load):\n" + (
+        "\n".join(found)
+    )
+
+
+def test_the_backend_branch_pattern_catches_the_old_branches() -> None:
+    old = [
+        'if backend == "llamacpp":',
+        'if chosen != "torch":',
+        'if "llamacpp" in spec.backends:',
+        'return "llamacpp" not in backends',
+        'if args.backend in ("torch", "llamacpp"):',
+    ]
+    for line in old:
+        assert BACKEND_BRANCH.search(line), line
+    assert not BACKEND_BRANCH.search('QUICK_PEERS = {"torch": "hf_assisted", "llamacpp": "llamacpp"}')

@@ -1,8 +1,9 @@
 """One load path: which backend and proposer run, then the models (docs/design.md §2b).
 
 ``SpeculativeGenerator.from_pretrained``, ``specdecode generate``, ``specdecode serve`` and each
-Ray Serve replica load through the two steps here, so they share one policy (``specdecode bench``
-still loads its models itself: one backend for all its methods, refusing a method it cannot run)::
+Ray Serve replica load through the two steps here, so they share one policy; ``specdecode bench``
+plans with :func:`plan_bench_models` (the target and the draft its methods need, no proposer: each
+method builds its own, on the one backend of the plan) and loads with :func:`load_models` too::
 
     plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **options)
     loaded = load_models(plan)          # LoadedModels: target, tokenizer, draft, proposer, ...
@@ -69,6 +70,8 @@ class LoadPlan:
         server: planned for the server (a draft given loads even if the proposer needs none; the
             proposer is not built: the server builds one per request).
         announce: the prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
+        prepack: prepack the target's weights at load even without a proposer
+            (:func:`plan_bench_models`; the server and a proposer always do).
     """
 
     backend: str
@@ -83,6 +86,7 @@ class LoadPlan:
     exact: bool = True
     server: bool = False
     announce: str = "specdecode"
+    prepack: bool = False
 
 
 @dataclass
@@ -273,6 +277,38 @@ def plan_models(
     )
 
 
+def plan_bench_models(
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    backend: str = "auto",
+    dtype: Any = "auto",
+    threads: int | None = None,
+    exact: bool = True,
+    *,
+    need_draft: bool = False,
+) -> LoadPlan:
+    """:func:`plan_models` for ``specdecode bench``: the target and, where ``need_draft``, the draft
+    (the default pair's where ``draft`` is None), no proposer (each method builds its own); the
+    target's weights prepacked at load (the bench keeps the float draft beside its int8 copy for the
+    peers, which would otherwise leave the target's verification passes without them).
+
+    Raises:
+        ValueError, ModelNotFoundError: as :func:`plan_models`.
+    """
+    plan = plan_models(target, None, None, backend, dtype, threads, exact)
+    draft_path = None
+    if need_draft:  # checked before any weights load, as plan_models checks the target
+        if plan.backend == "llamacpp":
+            from specdecode.models.backends import gguf_path
+
+            draft_path = gguf_path(draft, "draft")
+        else:
+            from specdecode.models.loading import resolve_model_dir
+
+            draft_path = resolve_model_dir(draft, "draft")
+    return dataclasses.replace(plan, draft=draft_path, prepack=True)
+
+
 def _spec(name: str) -> Any:
     from specdecode.proposers import PROPOSERS
 
@@ -315,7 +351,9 @@ def load_models(plan: LoadPlan) -> LoadedModels:
         from specdecode.models.loading import load_model, load_tokenizer
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
-        target = load_model(plan.target, "target", plan.dtype, prepack_now=plan.server or proposer is not None)
+        target = load_model(
+            plan.target, "target", plan.dtype, prepack_now=plan.prepack or plan.server or proposer is not None
+        )
         draft = load_model(plan.draft, "draft", plan.dtype) if plan.draft is not None else None
         tokenizer = load_tokenizer(plan.target)
     built = None

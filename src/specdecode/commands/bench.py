@@ -149,27 +149,17 @@ def _options(args: argparse.Namespace, backend: str = "torch") -> dict[str, Any]
 
 
 def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "torch") -> Any:
+    """The target and (``need_draft``) the draft on ``backend``, through the one load path
+    (:func:`specdecode.load.plan_bench_models`, :func:`specdecode.load.load_models`)."""
     from specdecode.bench.methods import BenchModels
+    from specdecode.load import load_models, plan_bench_models
     from specdecode.models.backends import target_gguf
-    from specdecode.models.loading import load_model, load_tokenizer, resolve_model_dir
 
-    gguf = target_gguf(args.target)  # the llama.cpp peers run it, on either backend
-    if backend == "llamacpp":
-        from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
-        from specdecode.models.llamacpp import LlamaCppOptions
-
-        options = LlamaCppOptions(threads=getattr(args, "threads", None), exact=getattr(args, "exact", True))
-        target = load_llamacpp(args.target, "target", options)
-        draft = load_llamacpp(args.draft, "draft", options) if need_draft else None
-        return BenchModels(target, draft, load_llamacpp_tokenizer(target), target.path, options.threads)
-
-    target_dir = resolve_model_dir(args.target, "target")  # every path checked before any weights load
-    draft_dir = resolve_model_dir(args.draft, "draft") if need_draft else None
-    # the target's prepacked weights first: the bench keeps the float draft beside its int8 copy (for the
-    # peers), which would otherwise leave the target's verification passes without them
-    target = load_model(target_dir, "target", args.dtype, prepack_now=True)
-    draft = load_model(draft_dir, "draft", args.dtype) if draft_dir is not None else None
-    return BenchModels(target, draft, load_tokenizer(target_dir), gguf, getattr(args, "threads", None))
+    threads, exact = getattr(args, "threads", None), getattr(args, "exact", True)
+    plan = plan_bench_models(args.target, args.draft, backend, args.dtype, threads, exact, need_draft=need_draft)
+    loaded = load_models(plan)
+    # the llama.cpp peers run the target's GGUF file, on either backend (None: they are skipped)
+    return BenchModels(loaded.target, loaded.draft, loaded.tokenizer, target_gguf(args.target), threads)
 
 
 def default_methods(target: str | None, backend: str = "torch") -> list[str]:
@@ -211,13 +201,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results = load_results(args.report)
         check_baseline(args.baseline, list(dict.fromkeys(r["method"] for r in results["records"])), "--baseline")
         print(render(results, args.out or Path(args.report).parent, args.baseline), end="")
+        if args.cost_table:
+            _print_prediction(results, args.cost_table, args.baseline)
         return 0
     from specdecode.bench.methods import BenchSettings, expand, split_methods
     from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import environment, run_bench, save_results
-    from specdecode.models.backends import resolve_backend
+    from specdecode.load import choose
 
-    backend = resolve_backend(args.backend, args.target, args.dtype)
+    backend = choose(None, args.backend, args.target, None, args.dtype)[0]  # the load path's backend, once
     opts = _options(args, backend)  # validate cheap input before loading anything
     if args.repeats < 1 or (opts["prompts_per_category"] is not None and opts["prompts_per_category"] < 1):
         raise ValueError("--repeats and --prompts-per-category must be >= 1")
