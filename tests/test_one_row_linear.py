@@ -1,10 +1,10 @@
-"""One-row linear layers computed as two rows (specdecode.models.rows): same results, hooks removed."""
+"""One-row linear layers computed as two rows (specdecode.models.one_row_linear): same results, hooks removed."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.models.rows import pad_single_rows
+from specdecode.models.one_row_linear import pad_single_rows
 from specdecode.models.runner import ModelRunner
 
 
