@@ -697,7 +697,7 @@ def test_int8_head_rows_score_like_the_float_rows_in_less_memory(tiny_target) ->
     copy is freed (proposer weights: drafter + 1 byte per row entry + scales), attach() restores it,
     and the proposers' head_quantization option resolves and checks as documented."""
     from specdecode.proposers import proposer_weight_bytes
-    from specdecode.proposers.features import resolve_head_quantization
+    from specdecode.proposers.trained_drafters import resolve_head_quantization
 
     head_ids = torch.arange(0, tiny_target.config.vocab_size, 2)
     drafter = make_drafter("eagle", tiny_target, head_ids)

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.heads import EagleHead
 from specdecode.proposers.base import DraftTokens, ProposerBase
-from specdecode.proposers.features import (
+from specdecode.proposers.trained_drafters import (
     FeatureLog,
     TrainedDrafterConfig,
     check_features,
@@ -39,10 +39,10 @@ from specdecode.verify import VerifyResult
 class EagleConfig(TrainedDrafterConfig):
     """Options of :class:`EagleProposer`: ``drafter`` (a folder saved by ``specdecode
     train-drafter --kind eagle``; None: the target's default one) and ``draft_confidence``; see
-    :class:`~specdecode.proposers.features.TrainedDrafterConfig`.
+    :class:`~specdecode.proposers.trained_drafters.TrainedDrafterConfig`.
 
     Raises:
-        ValueError, FileNotFoundError: see :class:`~specdecode.proposers.features.TrainedDrafterConfig`.
+        ValueError, FileNotFoundError: see :class:`~specdecode.proposers.trained_drafters.TrainedDrafterConfig`.
     """
 
     kind = "eagle"

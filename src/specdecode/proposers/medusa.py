@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.heads import MedusaHeads
 from specdecode.proposers.base import DraftTokens, ProposerBase
-from specdecode.proposers.features import (
+from specdecode.proposers.trained_drafters import (
     TrainedDrafterConfig,
     check_features,
     load_for_target,
@@ -38,10 +38,10 @@ from specdecode.verify import VerifyResult
 class MedusaConfig(TrainedDrafterConfig):
     """Options of :class:`MedusaProposer`: ``drafter`` (a folder saved by ``specdecode
     train-drafter --kind medusa``; None: the target's default one) and ``draft_confidence``; see
-    :class:`~specdecode.proposers.features.TrainedDrafterConfig`.
+    :class:`~specdecode.proposers.trained_drafters.TrainedDrafterConfig`.
 
     Raises:
-        ValueError, FileNotFoundError: see :class:`~specdecode.proposers.features.TrainedDrafterConfig`.
+        ValueError, FileNotFoundError: see :class:`~specdecode.proposers.trained_drafters.TrainedDrafterConfig`.
     """
 
     kind = "medusa"

@@ -32,7 +32,7 @@ def has_drafter(name: str, settings: ServeSettings, target: Any) -> bool:
     default drafter folder (:func:`~specdecode.drafters.find_drafter_dir`, which may hash the
     target's weights: call it once per server, not per request)."""
     from specdecode.drafters import find_drafter_dir
-    from specdecode.proposers.features import check_drafter_dir
+    from specdecode.proposers.trained_drafters import check_drafter_dir
 
     options = settings.proposer_options if name == settings.proposer else {}
     try:
