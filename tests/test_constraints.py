@@ -17,9 +17,9 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.constraints import ConstraintError, Grammar, JsonSchema, Regex
+from specdecode.constraints.masked_verify import DraftCut, verify_constrained
 from specdecode.constraints.spec import compile_constraint
 from specdecode.constraints.tokenizer import ll_tokenizer
-from specdecode.constraints.verify import DraftCut, verify_constrained
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import logits_to_probs
 

@@ -6,7 +6,7 @@ grammar, exactly, under speculation (docs/structured.md).
 - :mod:`.tokenizer`: the llguidance view of the target's tokenizer;
 - :mod:`.state`: one sequence's grammar state: masks per draft position, grammar-aware drafting
   (cut at a forbidden token, forced tokens as free drafts), advance and rollback;
-- :mod:`.verify`: verification against the masked target distribution (pure functions);
+- :mod:`.masked_verify`: verification against the masked target distribution (pure functions);
 - :mod:`.build`: from a constraint and the target's tokenizer to a sequence's state.
 
 llguidance (guidance-ai) is imported only when a constraint is used.

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdecode.constraints.masked_verify import DraftCut, verify_constrained, verify_tree_constrained
 from specdecode.constraints.spec import ConstraintError, _llguidance
-from specdecode.constraints.verify import DraftCut, verify_constrained, verify_tree_constrained
 from specdecode.proposers.base import DraftTokens
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree
@@ -178,7 +178,7 @@ class ConstraintState:
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> VerifyResult:
-        """Verify one pass under the grammar (:func:`~specdecode.constraints.verify.verify_constrained`):
+        """Verify one pass under the grammar (:func:`~specdecode.constraints.masked_verify.verify_constrained`):
         the masks of every position (grammar state after the drafts before it), the pending cut of
         the last :meth:`shape_draft`, and the count of forced tokens kept.
 
@@ -289,7 +289,7 @@ class ConstraintState:
         generator: torch.Generator | None,
     ) -> VerifyResult:
         """Verify a tree pass under the grammar
-        (:func:`~specdecode.constraints.verify.verify_tree_constrained`); ``target_logits``
+        (:func:`~specdecode.constraints.masked_verify.verify_tree_constrained`); ``target_logits``
         float ``[N + 1, V]``. ``tree`` is what :meth:`shape_tree` returned (its forced nodes are
         counted in ``forced_accepted_tokens`` when kept)."""
         allowed = self.allowed_tree(tree).to(target_logits.device)  # (N + 1, V)
