@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.logprobs import token_bytes
+from specdecode.serve.logprob_fields import token_bytes
 from specdecode.serve.server import BackgroundServer, build_app
 
 ATOL = 1e-4  # nats; see the module docstring

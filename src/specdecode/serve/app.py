@@ -42,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.logprobs import LogprobsFormat
+from specdecode.serve.logprob_fields import LogprobsFormat
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.schemas import ChatCompletionRequest, CompletionRequest, _Common

@@ -17,7 +17,7 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
 - ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
 
 Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0 .. 20), completions
-``logprobs`` (0 .. 20), from the target's raw distribution (:mod:`specdecode.serve.logprobs`).
+``logprobs`` (0 .. 20), from the target's raw distribution (:mod:`specdecode.serve.logprob_fields`).
 
 Structured output and function calling (``response_format``, ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``tool`` messages and assistant ``tool_calls`` in the history):
@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS
-from specdecode.serve.logprobs import chat_num_logprobs, completion_num_logprobs
+from specdecode.serve.logprob_fields import chat_num_logprobs, completion_num_logprobs
 
 
 class StreamOptions(BaseModel):
