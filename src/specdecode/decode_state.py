@@ -166,6 +166,7 @@ class DecodeState:
     def after_prefill(self, features: torch.Tensor | None = None) -> None:
         """Account the prefill pass; give a feature-reading proposer the prompt's features ``[P, H]``."""
         self.stats.target_forward_passes += 1
+        self.stats.target_pass_widths.append(self.prompt_len)
         if features is not None and self.proposer is not None:
             self.proposer.observe_features(features)  # type: ignore[attr-defined]
 
@@ -182,6 +183,12 @@ class DecodeState:
             depth: a tree's depth (None for a chain).
         """
         self.stats.target_forward_passes += 1
+        self.stats.target_pass_widths.append(num_drafted + 1)
+        self.stats.accepted_per_step.append(result.num_accepted)
+        widths = getattr(self.proposer, "pass_widths", None)  # a draft model's forwards since the last step
+        if widths:
+            self.stats.draft_pass_widths.extend(widths)
+            widths.clear()
         if self.proposer is not None:
             if features is not None:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]

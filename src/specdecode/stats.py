@@ -48,6 +48,15 @@ class SpecStats:
         forced_accepted_tokens: of those, the ones the verifier kept.
         cut_draft_tokens: under a constraint, proposed tokens never sent to the target because the
             grammar forbids them (the forbidden token and the drafts after it; tree nodes).
+        target_pass_widths: tokens fed to each target forward pass, in order: the prefill's (the
+            prompt's length), then 1 + the tokens drafted (tree nodes) per verification step. The
+            input of ``specdecode bench --cost-table`` (:mod:`specdecode.bench.cost_table`); not in
+            :meth:`to_dict`.
+        draft_pass_widths: tokens fed to each forward pass of a draft model, in order (empty for
+            proposers without a model of their own, e.g. prompt lookup and suffix, and for those that
+            do not record them); not in :meth:`to_dict`.
+        accepted_per_step: draft tokens accepted at each verification step, in order; not in
+            :meth:`to_dict`.
     """
 
     num_speculative_tokens: int = 0
@@ -74,6 +83,9 @@ class SpecStats:
     forced_draft_tokens: int = 0
     forced_accepted_tokens: int = 0
     cut_draft_tokens: int = 0
+    target_pass_widths: list[int] = field(default_factory=list)
+    draft_pass_widths: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

@@ -64,6 +64,28 @@ def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
 
+LLAMACPP_PEERS = ("llamacpp",)
+"""Peers priced as one target pass per token after the prompt's (llama-cpp-python's plain ``generate``)."""
+
+
+def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, list[int]] | None:
+    """A record's ``passes`` (what :mod:`specdecode.bench.cost_table` prices): ``target``, the tokens
+    of each target forward pass (the prefill's first); ``draft``, of each draft-model forward; and
+    ``accepted``, the draft tokens accepted per verification step. Our engine's come from its
+    statistics; the plain llama.cpp peer's are the prompt, then 1 per further token; None for the
+    other peers (their passes are not known)."""
+    stats = out.stats
+    if stats is not None:
+        return {
+            "target": list(stats.target_pass_widths),
+            "draft": list(stats.draft_pass_widths),
+            "accepted": list(stats.accepted_per_step),
+        }
+    if variant.method.name in LLAMACPP_PEERS and out.token_ids:
+        return {"target": [prompt_tokens] + [1] * (len(out.token_ids) - 1), "draft": [], "accepted": []}
+    return None
+
+
 def run_turns(
     models: BenchModels, prompt: Prompt, variant: Variant, settings: BenchSettings, repeat: int = 0
 ) -> list[Record]:
@@ -91,6 +113,7 @@ def run_turns(
                 "stats": out.stats.to_dict() if out.stats is not None else None,
                 "proposer_weight_bytes": out.proposer_bytes,
                 "token_ids": out.token_ids,
+                "passes": record_passes(variant, out, len(prompt_ids)),
             }
         )
         answer = models.tokenizer.decode(out.token_ids, skip_special_tokens=True)

@@ -105,6 +105,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "label (default target); another method gives an A/B comparison paired per prompt, e.g. "
         "--report results.json --baseline draft+lookup",
     )
+    b.add_argument(
+        "--cost-table",
+        metavar="FILE",
+        help="price each generation's recorded passes with a pass-cost table measured elsewhere (JSON: ms "
+        "per pass width for the target and the draft, specdecode.bench.cost_table; or a packaged one's "
+        "name, e.g. h100-torch-eager-bf16) and print the predicted speedup per method and category beside "
+        "the measured one (also into results.json; with --report, re-prices the saved records)",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)
     return b
@@ -192,6 +200,24 @@ def default_methods(target: str | None, backend: str = "torch") -> list[str]:
     return names
 
 
+def _cost_table(path: str | None) -> Any:
+    """``--cost-table``'s :class:`~specdecode.bench.cost_table.CostTable`, or None without one."""
+    if not path:
+        return None
+    from specdecode.bench.cost_table import load_cost_table
+
+    return load_cost_table(path)
+
+
+def _print_prediction(results: dict[str, Any], path: str, baseline: str) -> None:
+    """Price ``results``' records with the cost table at ``path``; print predicted beside measured."""
+    from specdecode.bench.cost_table import load_cost_table, predict, prediction_table
+
+    table = load_cost_table(path)
+    print()
+    print(prediction_table(predict(results["records"], results["methods"], table, baseline), table, baseline), end="")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--report``): tables on stdout, files into ``--out``."""
     from specdecode.bench.metrics import check_baseline
@@ -225,6 +251,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"{', '.join(variant.method.backends)}); use --backend {variant.method.backends[0]}"
             )
     check_baseline(args.baseline, [v.label for v in variants], "--baseline")  # before any model loads
+    cost_table = _cost_table(args.cost_table)  # an invalid table fails before any model loads
     prompts = load_prompts(args.questions, args.categories, opts["prompts_per_category"], shortest=args.quick)
     models = _load_models(args, any(v.method.needs_draft for v in variants), backend)
     results = run_bench(models, prompts, variants, settings, args.repeats, not args.no_warmup, not args.no_progress)
@@ -235,8 +262,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "backend": backend,
     }
     results["environment"] = environment()
+    if cost_table is not None:
+        from specdecode.bench.cost_table import prediction_results
+
+        results["predicted"] = prediction_results(results, cost_table, args.cost_table, args.baseline)
     out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
     path = save_results(results, out)
     print(render(results, out, args.baseline), end="")
+    if cost_table is not None:
+        _print_prediction(results, args.cost_table, args.baseline)
     print(f"results: {path}", file=sys.stderr)
     return 0

@@ -1,0 +1,261 @@
+"""Predicted speedups from recorded passes and a pass-cost table measured elsewhere.
+
+Exact decoding makes the tokens, and so the passes each method makes, the same on every machine;
+only what a pass costs changes. ``specdecode bench`` records each generation's passes (a record's
+``passes``: ``target``, the tokens fed to each target forward, the prefill first; ``draft``, the
+tokens fed to each draft-model forward; ``accepted``, draft tokens accepted per step), and this
+module prices them with a table of milliseconds per pass measured on another machine.
+
+The table is JSON::
+
+    {
+      "device": "NVIDIA H100 80GB HBM3, torch eager bf16",      # free text, shown in the report
+      "source": "where and how it was measured",                # optional, free text
+      "target": {"1": 15.5, "2": 18.1, "33": 18.8},             # ms per target pass, by tokens fed
+      "draft": {"1": 13.4, "2": 15.8, "5": 16.0},               # ms per draft-model pass (optional)
+      "prefill_ms_per_token": 0.05                              # optional, see below
+    }
+
+Widths are positive integers (as JSON keys, strings), costs non-negative milliseconds. A width
+between two measured ones costs the linear interpolation; below the smallest, the smallest's cost;
+beyond the largest, the line through the last two measured widths (the largest's cost when only one
+is given). Without ``draft``, draft passes cost nothing (a table for prompt lookup / suffix only).
+The prefill (a record's first target pass) costs ``prefill_ms_per_token`` x its tokens when the
+table gives it, else the ``target`` curve at its width (usually far beyond the measured widths,
+so an extrapolation; the prefill is the same for every method on the same prompts, so it dilutes
+the speedup without changing the order of methods).
+
+Not priced: work outside the passes (sampling, verification, the proposer's own search, Python
+overhead, host-device copies) and the drafts of proposers that do not record draft-model passes
+(Medusa / EAGLE heads, early exit). A predicted speedup is therefore an upper bound for methods
+with much per-step overhead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.metrics import ALL, BASELINE, Record, speedups
+
+PACKAGED = Path(__file__).resolve().parent.parent / "data" / "cost_tables"
+"""The cost tables shipped with the package (``--cost-table NAME`` finds ``NAME.json`` here)."""
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Milliseconds per pass by tokens fed, piecewise linear through measured points.
+
+    Attributes:
+        widths: measured widths (tokens per pass), ascending, >= 1.
+        ms: the cost of each, milliseconds (>= 0).
+    """
+
+    widths: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def __call__(self, width: int) -> float:
+        """The cost of one pass over ``width`` tokens, in milliseconds (0 for ``width`` <= 0)."""
+        if width <= 0:
+            return 0.0
+        w, m = self.widths, self.ms
+        if width <= w[0]:
+            return m[0]
+        if len(w) == 1:
+            return m[0]
+        for i in range(1, len(w)):
+            if width <= w[i]:
+                return m[i - 1] + (m[i] - m[i - 1]) * (width - w[i - 1]) / (w[i] - w[i - 1])
+        slope = (m[-1] - m[-2]) / (w[-1] - w[-2])  # beyond the largest: the last segment's line
+        return max(0.0, m[-1] + slope * (width - w[-1]))
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """A loaded pass-cost table (see the module docstring for the JSON format).
+
+    Attributes:
+        device: where it was measured (free text).
+        target: the target's cost per pass (ms).
+        draft: the draft model's cost per pass (ms), or None (draft passes cost nothing).
+        prefill_ms_per_token: the prefill's cost per prompt token (ms), or None (the target curve).
+        source: how it was measured (free text, may be empty).
+    """
+
+    device: str
+    target: CostCurve
+    draft: CostCurve | None = None
+    prefill_ms_per_token: float | None = None
+    source: str = ""
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"cost table: {where} must be a non-negative number of milliseconds, got {value!r}")
+    return float(value)
+
+
+def _curve(value: Any, field: str) -> CostCurve:
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"cost table: {field!r} must be a non-empty object of width -> ms, got {value!r}")
+    points: dict[int, float] = {}
+    for key, ms in value.items():
+        try:
+            width = int(key)
+        except (TypeError, ValueError):
+            width = 0
+        if width < 1 or str(width) != str(key).strip():
+            raise ValueError(f'cost table: {field!r} has width {key!r}; widths are positive integers such as "1"')
+        points[width] = _number(ms, f"{field}[{key!r}]")
+    ordered = sorted(points)
+    return CostCurve(tuple(ordered), tuple(points[w] for w in ordered))
+
+
+def parse_cost_table(data: Any) -> CostTable:
+    """A :class:`CostTable` from the decoded JSON.
+
+    Raises:
+        ValueError: not an object, ``device`` missing or not text, ``target`` missing or empty, a
+            width that is not a positive integer, a cost that is not a non-negative number, or
+            ``prefill_ms_per_token`` not a non-negative number (the message names the field).
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"cost table: expected a JSON object, got {type(data).__name__}")
+    device = data.get("device")
+    if not isinstance(device, str) or not device.strip():
+        raise ValueError(f"cost table: 'device' must be a non-empty string, got {device!r}")
+    if "target" not in data:
+        raise ValueError("cost table: 'target' is missing (ms per target pass by tokens fed, e.g. {\"1\": 15.5})")
+    known = {"device", "source", "target", "draft", "prefill_ms_per_token"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"cost table: unknown field(s) {unknown}; known: {sorted(known)}")
+    prefill = data.get("prefill_ms_per_token")
+    source = data.get("source", "")
+    if not isinstance(source, str):
+        raise ValueError(f"cost table: 'source' must be a string, got {source!r}")
+    return CostTable(
+        device=device,
+        target=_curve(data["target"], "target"),
+        draft=_curve(data["draft"], "draft") if data.get("draft") is not None else None,
+        prefill_ms_per_token=_number(prefill, "'prefill_ms_per_token'") if prefill is not None else None,
+        source=source,
+    )
+
+
+def load_cost_table(path: str | Path) -> CostTable:
+    """Read a cost table: a JSON file, or the name of a packaged one (``h100-torch-eager-bf16``).
+
+    Raises:
+        FileNotFoundError: neither a file nor a packaged table.
+        ValueError: not JSON, or an invalid table (:func:`parse_cost_table`).
+    """
+    file = Path(path)
+    if not file.is_file() and (PACKAGED / f"{path}.json").is_file():
+        file = PACKAGED / f"{path}.json"
+    if not file.is_file():
+        names = ", ".join(sorted(p.stem for p in PACKAGED.glob("*.json")))
+        raise FileNotFoundError(f"--cost-table: no file {path} (packaged tables: {names or 'none'})")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"cost table {file}: not JSON ({error})") from error
+    try:
+        return parse_cost_table(data)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from error
+
+
+def price(record: Record, table: CostTable) -> float | None:
+    """The predicted seconds of one record's passes on ``table``'s machine, or None when the record
+    has no ``passes`` (a peer whose passes are not known, or results saved before they were recorded).
+
+    Seconds = (prefill + Σ target passes after it + Σ draft passes) / 1000, each pass's ms from the
+    table by its width (the module docstring says how the prefill is priced).
+    """
+    passes = record.get("passes")
+    if not passes or not passes.get("target"):
+        return None
+    target: Sequence[int] = passes["target"]
+    prefill = target[0]
+    ms = prefill * table.prefill_ms_per_token if table.prefill_ms_per_token is not None else table.target(prefill)
+    ms += sum(table.target(w) for w in target[1:])
+    if table.draft is not None:
+        ms += sum(table.draft(w) for w in passes.get("draft") or ())
+    return ms / 1000.0
+
+
+def _pick(records: Sequence[Record], method: str, group: str) -> list[Record]:
+    return [r for r in records if r["method"] == method and group in (ALL, r["group"])]
+
+
+def predict(
+    records: Sequence[Record], methods: Sequence[str], table: CostTable, baseline: str = BASELINE
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Predicted beside measured speedups over ``baseline``, per method and category group.
+
+    Returns ``{method: {group: {"predicted": x, "measured": y}}}`` with groups in record order and
+    ``"all"`` last: predicted = Σ priced seconds of ``baseline`` / Σ priced seconds of the method,
+    measured = the same ratio of wall times, both over the turns both ran (and, for the prediction,
+    both priced). None where a method has no priced records.
+    """
+    groups = [*dict.fromkeys(r["group"] for r in records), ALL]
+    priced = []
+    for r in records:
+        seconds = price(r, table)
+        if seconds is not None:
+            priced.append({**r, "wall_time_s": seconds})
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for method in methods:
+        out[method] = {}
+        for group in groups:
+            mine, base = _pick(records, method, group), _pick(records, baseline, group)
+            if not mine:
+                continue
+            out[method][group] = {
+                "predicted": speedups(_pick(priced, method, group), _pick(priced, baseline, group))[0],
+                "measured": speedups(mine, base)[0],
+            }
+    return out
+
+
+def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | None]]], table: CostTable,
+                     baseline: str = BASELINE) -> str:  # fmt: skip
+    """Markdown: one row per method, one column per group, ``predicted (measured)`` speedups."""
+    groups = list(dict.fromkeys(g for by_group in prediction.values() for g in by_group))
+    if ALL in groups:
+        groups = [g for g in groups if g != ALL] + [ALL]
+
+    def cell(m: Mapping[str, float | None] | None) -> str:
+        if not m:
+            return "-"
+        predicted = f"{m['predicted']:.2f}x" if m.get("predicted") is not None else "-"
+        measured = f"{m['measured']:.2f}x" if m.get("measured") is not None else "-"
+        return f"{predicted} ({measured})"
+
+    lines = [
+        f"## Predicted speedup over `{baseline}` on {table.device} (measured here)",
+        "| method | " + " | ".join(groups) + " |",
+        "| " + " | ".join(["---"] * (len(groups) + 1)) + " |",
+    ]
+    for method, by_group in prediction.items():
+        lines.append(f"| {method} | " + " | ".join(cell(by_group.get(g)) for g in groups) + " |")
+    lines.append("")
+    lines.append("Priced from each generation's recorded passes (specdecode.bench.cost_table); '-': passes not known.")
+    return "\n".join(lines) + "\n"
+
+
+def prediction_results(results: Mapping[str, Any], table: CostTable, source: str,
+                       baseline: str = BASELINE) -> dict[str, Any]:  # fmt: skip
+    """What ``results.json`` keeps under ``predicted``: the table's device and file, the baseline,
+    and :func:`predict`'s speedups."""
+    return {
+        "cost_table": str(source),
+        "device": table.device,
+        "baseline": baseline,
+        "speedup": predict(results["records"], results["methods"], table, baseline),
+    }

@@ -1,0 +1,183 @@
+"""``specdecode bench --cost-table``: pass-cost tables, pricing recorded passes, predicted speedups."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.bench.cost_table import (
+    PACKAGED,
+    CostCurve,
+    load_cost_table,
+    parse_cost_table,
+    predict,
+    price,
+)
+from specdecode.commands.main import main
+
+from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
+
+TABLE = {"device": "test GPU", "target": {"1": 10.0, "3": 14.0, "5": 16.0}, "draft": {"1": 2.0, "2": 3.0}}
+
+
+def record(method: str, target: list[int], draft: list[int], group: str = "qa", qid: int = 1,
+           wall: float = 1.0) -> dict:  # fmt: skip
+    return {"question_id": qid, "group": group, "turn": 0, "repeat": 0, "method": method, "wall_time_s": wall,
+            "passes": {"target": target, "draft": draft, "accepted": []}}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- curves
+def test_interpolation_and_extrapolation():
+    curve = parse_cost_table(TABLE).target
+    assert curve(1) == 10.0 and curve(3) == 14.0 and curve(5) == 16.0
+    assert curve(2) == pytest.approx(12.0)  # between 1 and 3
+    assert curve(4) == pytest.approx(15.0)
+    assert curve(9) == pytest.approx(20.0)  # beyond 5: the line through (3, 14) and (5, 16)
+    assert curve(0) == 0.0
+    assert CostCurve((4,), (7.0,))(1) == 7.0 and CostCurve((4,), (7.0,))(40) == 7.0  # one point: flat
+    falling = CostCurve((1, 2), (10.0, 1.0))
+    assert falling(100) == 0.0  # extrapolation never goes below zero
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([1, 2], "expected a JSON object"),
+        ({"target": {"1": 1.0}}, "'device'"),
+        ({"device": "x"}, "'target' is missing"),
+        ({"device": "x", "target": {}}, "'target' must be a non-empty object"),
+        ({"device": "x", "target": {"one": 1.0}}, "'target' has width 'one'"),
+        ({"device": "x", "target": {"0": 1.0}}, "'target' has width '0'"),
+        ({"device": "x", "target": {"1": -1.0}}, "target['1']"),
+        ({"device": "x", "target": {"1": "fast"}}, "target['1']"),
+        ({"device": "x", "target": {"1": 1.0}, "draft": {"2": None}}, "draft['2']"),
+        ({"device": "x", "target": {"1": 1.0}, "prefill_ms_per_token": -2}, "'prefill_ms_per_token'"),
+        ({"device": "x", "target": {"1": 1.0}, "targett": {}}, "unknown field(s) ['targett']"),
+    ],
+)
+def test_validation_names_the_field(data, message):
+    with pytest.raises(ValueError) as error:
+        parse_cost_table(data)
+    assert message in str(error.value)
+
+
+def test_load_a_file_a_packaged_name_and_errors(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TABLE))
+    assert load_cost_table(path).device == "test GPU"
+    h100 = load_cost_table("h100-torch-eager-bf16")
+    assert h100.target(1) == 15.5 and h100.target(33) == 18.8 and h100.draft is not None and h100.draft(5) == 16.0
+    assert "H100" in h100.device and "README" in h100.source
+    assert (PACKAGED / "h100-torch-eager-bf16.json").is_file()
+    with pytest.raises(FileNotFoundError, match="h100-torch-eager-bf16"):
+        load_cost_table(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_cost_table(tmp_path / "bad.json")
+    (tmp_path / "invalid.json").write_text(json.dumps({"device": "x", "target": {"1": "a"}}))
+    with pytest.raises(ValueError, match=r"invalid\.json: cost table: target\['1'\]"):
+        load_cost_table(tmp_path / "invalid.json")
+
+
+# ----------------------------------------------------------------------------- pricing
+def test_price_of_a_hand_made_record_is_exact():
+    table = parse_cost_table(TABLE)
+    # prefill of 5 tokens (16 ms), passes of 3, 3 and 1 tokens (14 + 14 + 10), draft passes 2, 1, 1, 1 (3 + 2 + 2 + 2)
+    r = record("m", [5, 3, 3, 1], [2, 1, 1, 1])
+    assert price(r, table) == pytest.approx((16 + 14 + 14 + 10 + 3 + 2 + 2 + 2) / 1000)
+    with_prefill = parse_cost_table({**TABLE, "prefill_ms_per_token": 0.5})
+    assert price(r, with_prefill) == pytest.approx((2.5 + 14 + 14 + 10 + 3 + 2 + 2 + 2) / 1000)
+    no_draft = parse_cost_table({"device": "x", "target": TABLE["target"]})
+    assert price(r, no_draft) == pytest.approx((16 + 14 + 14 + 10) / 1000)  # draft passes cost nothing
+    assert price({**r, "passes": None}, table) is None  # a peer whose passes are unknown
+    assert price({k: v for k, v in r.items() if k != "passes"}, table) is None  # results saved before
+
+
+def test_predicted_speedup_per_group_and_overall():
+    table = parse_cost_table(TABLE)
+    records = [
+        record("target", [5, 1, 1, 1, 1], [], "qa", 1, wall=2.0),  # 16 + 40 = 56 ms
+        record("same", [5, 1, 1, 1, 1], [], "qa", 1, wall=1.0),  # the same passes as target-only
+        record("spec", [5, 3, 1], [1, 1], "qa", 1, wall=1.0),  # 16 + 14 + 10 + 4 = 44 ms
+        record("target", [5, 1, 1], [], "coding", 2, wall=3.0),  # 36 ms
+        record("same", [5, 1, 1], [], "coding", 2, wall=1.5),
+        record("spec", [5, 3], [2], "coding", 2, wall=1.0),  # 16 + 14 + 3 = 33 ms
+        {**record("peer", [5], [], "qa", 1), "passes": None},
+    ]
+    out = predict(records, ["target", "same", "spec", "peer"], table)
+    assert out["target"]["all"]["predicted"] == pytest.approx(1.0)
+    assert out["same"]["qa"]["predicted"] == pytest.approx(1.0) and out["same"]["all"]["predicted"] == 1.0
+    assert out["same"]["qa"]["measured"] == pytest.approx(2.0)  # wall times, beside
+    assert out["spec"]["qa"]["predicted"] == pytest.approx(56 / 44)
+    assert out["spec"]["coding"]["predicted"] == pytest.approx(36 / 33)
+    assert out["spec"]["all"]["predicted"] == pytest.approx((56 + 36) / (44 + 33))
+    assert out["spec"]["all"]["measured"] == pytest.approx(5.0 / 2.0)
+    assert out["peer"]["qa"]["predicted"] is None and out["peer"]["qa"]["measured"] == pytest.approx(2.0)
+    assert list(out["spec"]) == ["qa", "coding", "all"]
+
+
+# ----------------------------------------------------------------------------- the command
+def test_bench_with_a_cost_table_records_passes_and_predicts(tmp_path, capsys):
+    tokenizer = make_tiny_tokenizer(vocab_size=300)
+    target = make_tiny_model(vocab_size=len(tokenizer), seed=0)
+    target_dir, draft_dir, out = tmp_path / "target", tmp_path / "draft", tmp_path / "out"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    perturbed_copy(target, noise=0.01).save_pretrained(draft_dir)
+    questions = tmp_path / "questions.jsonl"
+    rows = [{"question_id": 1, "category": "coding", "turns": ["def add(a, b):"]},
+            {"question_id": 2, "category": "qa", "turns": ["The quick brown fox?"]}]  # fmt: skip
+    questions.write_text("\n".join(json.dumps(q) for q in rows) + "\n")
+    argv = ["bench", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32", "--questions",
+            str(questions), "--categories", "coding,qa", "--methods", "target,draft_model,prompt_lookup,"
+            "draft_model(prompt_lookup_min=2,label=draft+lookup)", "-k", "3",
+            "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--no-warmup",
+            "--cost-table", "h100-torch-eager-bf16"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "## Predicted speedup over `target` on NVIDIA H100" in stdout
+    saved = json.loads((out / "results.json").read_text())
+    for r in saved["records"]:
+        passes = r["passes"]
+        assert passes["target"][0] == r["prompt_tokens"]  # the prefill first
+        steps = len(passes["target"]) - 1
+        assert len(passes["accepted"]) == steps
+        # every step's pass feeds the draft plus one token; the tokens gained add up to the answer
+        assert sum(passes["accepted"]) + steps + 1 >= r["new_tokens"]
+        assert sum(w - 1 for w in passes["target"][1:]) == r["stats"]["draft_tokens"]
+        if r["method"] == "target":
+            assert passes["target"][1:] == [1] * steps and passes["draft"] == []
+        elif r["method"].startswith("prompt_lookup"):
+            assert passes["draft"] == []  # no draft model
+        elif r["method"].startswith("draft+lookup"):
+            assert all(w >= 1 for w in passes["draft"])
+        else:
+            assert passes["draft"] and all(w >= 1 for w in passes["draft"])
+    hybrid = [w for r in saved["records"] if r["method"].startswith("draft+lookup") for w in r["passes"]["draft"]]
+    assert hybrid  # the lookup-first hybrid passes its model's forwards on
+    predicted = saved["predicted"]
+    assert predicted["device"].startswith("NVIDIA H100") and predicted["baseline"] == "target"
+    assert predicted["speedup"]["target"]["all"]["predicted"] == pytest.approx(1.0)
+    for method in saved["methods"]:
+        assert set(predicted["speedup"][method]) == {"coding", "qa", "all"}
+        assert predicted["speedup"][method]["all"]["predicted"] > 0
+
+    # re-priced from the saved records, without models, with another table
+    table = tmp_path / "flat.json"
+    table.write_text(json.dumps({"device": "flat GPU", "target": {"1": 10.0}}))  # every pass costs the same
+    assert main(["bench", "--report", str(out / "results.json"), "--out", str(tmp_path / "again"),
+                 "--cost-table", str(table)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "## Predicted speedup over `target` on flat GPU" in text
+    prediction = text.split("## Predicted speedup")[1]
+    line = next(x for x in prediction.splitlines() if x.startswith("| draft_model[k=3] |"))
+    fewer = [r for r in saved["records"] if r["method"] == "draft_model[k=3]"]
+    base = [r for r in saved["records"] if r["method"] == "target"]
+    expected = sum(len(r["passes"]["target"]) for r in base) / sum(len(r["passes"]["target"]) for r in fewer)
+    assert f"{expected:.2f}x" in line.split("|")[-2]  # flat costs: the ratio of pass counts
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "x"}))
+    assert main([*argv[:-1], str(bad)]) == 2  # refused before any model loads
+    assert "'target' is missing" in capsys.readouterr().err
