@@ -91,7 +91,7 @@ def test_proxy_middleware_adds_the_session_header_and_replays_the_body() -> None
 
 
 def test_merged_metrics_label_every_sample_with_its_replica() -> None:
-    from specdecode.serve.metrics import ServeMetrics
+    from specdecode.serve.prometheus import ServeMetrics
 
     a, b = ServeMetrics(), ServeMetrics()
     a.generation_tokens.inc(3)

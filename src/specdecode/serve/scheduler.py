@@ -60,7 +60,7 @@ from specdecode.serve.cost import (
     measure_target_costs,
     plan_speculation,
 )
-from specdecode.serve.metrics import ServeMetrics
+from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.request import Event, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats

@@ -15,7 +15,7 @@ from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.serve.audit import AuditLog
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.cost import CostModel
-from specdecode.serve.metrics import ServeMetrics
+from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.scheduler import Scheduler
 
 
