@@ -2,7 +2,7 @@
 
 One module per command (:mod:`~specdecode.commands.generate`, :mod:`~specdecode.commands.prepare`,
 :mod:`~specdecode.commands.bench`, :mod:`~specdecode.commands.serve`,
-:mod:`~specdecode.commands.token_map`, :mod:`~specdecode.commands.calibrate`,
+:mod:`~specdecode.commands.token_map`, :mod:`~specdecode.commands.calibrate_early_exit`,
 :mod:`~specdecode.commands.train_drafter`), the arguments they share in
 :mod:`~specdecode.commands.common`, and the top-level parser and ``main`` (the console script) in
 :mod:`~specdecode.commands.main`.

@@ -41,7 +41,9 @@ COMMANDS: dict[str, Command] = {
         "build a map of the N most frequent target tokens", "specdecode.commands.token_map", "add_token_map_parser"
     ),
     "calibrate-early-exit": Command(
-        "measure exit layers of the target; save the fastest", "specdecode.commands.calibrate", "add_calibrate_parser"
+        "measure exit layers of the target; save the fastest",
+        "specdecode.commands.calibrate_early_exit",
+        "add_calibrate_parser",
     ),
     "doctor": Command(
         "machine, llama.cpp build, the backend auto picks", "specdecode.commands.doctor", "add_doctor_parser"
