@@ -85,8 +85,8 @@ def test_an_option_of_several_proposers_gets_each_ones_help() -> None:
 def test_the_llamacpp_server_refuses_proposers_that_read_features_naming_both() -> None:
     """``specdecode serve --backend llamacpp``: its batched runner returns no hidden states, so EAGLE
     and Medusa (which ``generate`` runs on llama.cpp) are refused before any model loads."""
+    from specdecode.load import ModelSource, load_server_models
     from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
-    from specdecode.serve.loading import ModelSource, load_server_models
 
     assert LlamaCppBatchedRunner.capabilities.returns_hidden is False
     for name in ("eagle", "medusa"):

@@ -189,13 +189,13 @@ def test_serve_runs_a_proposer_llamacpp_cannot_serve_on_torch_under_auto(model_d
     runs on torch, as ``generate`` and ``from_pretrained`` do."""
     import uvicorn
 
-    from specdecode.serve import loading
+    from specdecode.load import ModelSource, load_server_models
 
     target, _ = model_dirs
     monkeypatch.setattr(
         backends, "resolve_backend", lambda backend, *a, **k: "llamacpp" if backend == "auto" else backend
     )
-    loaded = loading.load_server_models(loading.ModelSource(target=str(target), dtype="float32"), "early_exit")
+    loaded = load_server_models(ModelSource(target=str(target), dtype="float32"), "early_exit")
     assert (loaded.backend, loaded.proposer, loaded.built) == ("torch", "early_exit", None)
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
     assert main(["serve", "--target", str(target), "--dtype", "float32", "--proposer", "early_exit"]) == 0

@@ -196,7 +196,7 @@ def test_nothing_imports_ray_unless_replicas_are_asked_for() -> None:
     code = (
         "import sys\n"
         "from specdecode.commands.main import build_parser\n"
-        "import specdecode.serve.server, specdecode.serve.app, specdecode.serve.loading, specdecode.commands.serve\n"
+        "import specdecode.serve.server, specdecode.serve.app, specdecode.load, specdecode.commands.serve\n"
         "build_parser().parse_args(['serve', '--replicas', '2'])\n"
         "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray was imported'\n"
     )
@@ -223,8 +223,8 @@ def cluster(model_dirs, tiny_tokenizer, tmp_path_factory):
     import ray
     from ray import serve
 
+    from specdecode.load import ModelSource
     from specdecode.serve.config import ServeSettings
-    from specdecode.serve.loading import ModelSource
 
     target_dir, draft_dir = model_dirs
     audit = tmp_path_factory.mktemp("audit") / "replicas.jsonl"

@@ -309,6 +309,21 @@ def plan_bench_models(
     return dataclasses.replace(plan, draft=draft_path, prepack=True)
 
 
+def load_server_models(
+    source: ModelSource, proposer: str | None, announce: str = "specdecode serve", **options: Any
+) -> LoadedModels:
+    """Plan (``server=True``) and load ``source`` with the default proposer ``proposer`` (a name,
+    ``"auto"`` or None) and its ``options``: what ``specdecode serve`` and each replica on Ray Serve
+    (:mod:`specdecode.serve.replicas`) load.
+
+    Raises:
+        ValueError, ModelNotFoundError, IncompatibleModelsError: see :func:`plan_models` and
+            :func:`load_models`.
+    """
+    plan = plan_models(**dataclasses.asdict(source), proposer=proposer, server=True, announce=announce, **options)
+    return load_models(plan)
+
+
 def _spec(name: str) -> Any:
     from specdecode.proposers import PROPOSERS
 

@@ -8,7 +8,7 @@ Modules (importing this package imports nothing heavy; see docs/serving.md):
 - :mod:`~specdecode.serve.app` / :mod:`~specdecode.serve.schemas`: HTTP routes and request models;
 - :mod:`~specdecode.serve.prometheus`, :mod:`~specdecode.serve.audit`: Prometheus metrics, the audit log;
 - :mod:`~specdecode.serve.server`: build an app from model objects, run one in a thread;
-- :mod:`~specdecode.serve.loading`: load the models from the flags (the command and each replica);
+- :func:`specdecode.load.load_server_models`: load the models from the flags (the command and each replica);
 - :mod:`~specdecode.serve.replicas`: N replicas on Ray Serve behind one endpoint (imports Ray; only
   ``--replicas`` imports it);
 - the ``serve`` subcommand: :mod:`specdecode.commands.serve`.
