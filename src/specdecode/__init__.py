@@ -1,6 +1,6 @@
 """specdecode: lossless speculative decoding for causal language models.
 
-The names below load on first use (PEP 562), so ``import specdecode.text`` or ``specdecode --help``
+The names below load on first use (PEP 562), so ``import specdecode.stop_strings`` or ``specdecode --help``
 does not pay for torch and transformers.
 """
 

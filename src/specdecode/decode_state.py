@@ -35,7 +35,7 @@ from specdecode.logprobs import TokenLogprob, check_num_logprobs, token_logprobs
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
-from specdecode.text import StopStringStream
+from specdecode.stop_strings import StopStringStream
 from specdecode.verify import VerifyResult, verify
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class DecodeState:
         T: tokens of context known (prompt plus emitted tokens).
         limit: the most new tokens: ``max_new_tokens`` cut to the context left after the prompt.
         generated: the emitted token ids (an EOS that ended the sequence included).
-        text: the :class:`~specdecode.text.StopStringStream`, or None without a tokenizer.
+        text: the :class:`~specdecode.stop_strings.StopStringStream`, or None without a tokenizer.
         finish_reason: None while running, then ``"stop"`` (EOS or stop string) or ``"length"``.
         logprobs: with ``num_logprobs``, one :class:`~specdecode.logprobs.TokenLogprob` per token
             of :attr:`generated`; else None.

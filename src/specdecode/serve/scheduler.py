@@ -17,7 +17,7 @@ scheduler thread loops:
 4. **roll back** each row to its context plus its accepted tokens (``truncate``: a length
    pointer), and give the proposer its feedback;
 5. **emit** each row's new tokens; stop on EOS, a stop string (held back by
-   :class:`~specdecode.text.StopStringStream`) or the token limit; finished rows leave.
+   :class:`~specdecode.stop_strings.StopStringStream`) or the token limit; finished rows leave.
 
 Per row, this is the single-sequence loop of :mod:`specdecode.engine` by construction: each running
 request is a :class:`~specdecode.serve.sequence.RunningSequence`, the engine's own

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdecode.text import StopStringStream
+from specdecode.stop_strings import StopStringStream
 
 
 class Letters:
