@@ -27,7 +27,7 @@ import time
 import torch
 
 from specdecode.models.cpu import native_bf16_matmul
-from specdecode.models.loading import load_model
+from specdecode.models.hf_loading import load_model
 from specdecode.models.quant import quantize_int8
 from specdecode.models.runner import ModelRunner
 

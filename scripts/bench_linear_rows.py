@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.loading import load_model
+from specdecode.models.hf_loading import load_model
 from specdecode.models.one_row_linear import pad_single_rows
 from specdecode.models.runner import ModelRunner
 

@@ -20,7 +20,7 @@ import textwrap
 import torch
 
 from specdecode.models.default import ensure_default_model
-from specdecode.models.loading import load_model, load_tokenizer
+from specdecode.models.hf_loading import load_model, load_tokenizer
 from specdecode.models.quant import quantize_int8
 
 VARIANTS = {

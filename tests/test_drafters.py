@@ -482,7 +482,7 @@ def test_save_load_round_trip_and_registry(cases, tmp_path, kind: str) -> None:
 
 
 def test_from_pretrained_with_a_drafter(tiny_target, tiny_tokenizer, tmp_path) -> None:
-    from specdecode.models.loading import load_model
+    from specdecode.models.hf_loading import load_model
 
     tiny_target.save_pretrained(tmp_path / "target")
     tiny_tokenizer.save_pretrained(tmp_path / "target")

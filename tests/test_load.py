@@ -44,9 +44,9 @@ def _no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("weights loaded")
 
-    from specdecode.models import loading
+    from specdecode.models import hf_loading
 
-    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(hf_loading, "load_model", refuse)
     monkeypatch.setattr(backends, "load_llamacpp", refuse)
 
 

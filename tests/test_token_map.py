@@ -15,7 +15,7 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.commands.main import main
 from specdecode.errors import MissingDependencyError
-from specdecode.models.loading import load_tokenizer
+from specdecode.models.hf_loading import load_tokenizer
 from specdecode.models.runner import ModelRunner
 from specdecode.proposers import get_spec
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer

@@ -248,7 +248,7 @@ def plan_models(
             to ``cross_tokenizer`` (model folders; GGUF files: :func:`load_models`).
     """
     from specdecode.models.default import DEFAULT_TARGET
-    from specdecode.models.loading import parse_dtype
+    from specdecode.models.hf_loading import parse_dtype
 
     parse_dtype(dtype)
     chosen, proposer, options, config = choose(proposer, backend, target, draft, dtype, server=server, **options)
@@ -263,7 +263,7 @@ def plan_models(
         draft_path = gguf_path(draft, "draft") if loads_draft else None
         name = target_path.stem
     else:
-        from specdecode.models.loading import resolve_model_dir
+        from specdecode.models.hf_loading import resolve_model_dir
 
         target_path = resolve_model_dir(target, "target")
         draft_path = resolve_model_dir(draft, "draft") if loads_draft else None
@@ -303,7 +303,7 @@ def plan_bench_models(
 
             draft_path = gguf_path(draft, "draft")
         else:
-            from specdecode.models.loading import resolve_model_dir
+            from specdecode.models.hf_loading import resolve_model_dir
 
             draft_path = resolve_model_dir(draft, "draft")
     return dataclasses.replace(plan, draft=draft_path, prepack=True)
@@ -344,7 +344,7 @@ def load_models(plan: LoadPlan) -> LoadedModels:
 
     Raises:
         ModelNotFoundError, LlamaCppUnusableError: a model cannot load (see
-            :func:`~specdecode.models.loading.load_model`, :func:`~specdecode.models.backends.load_llamacpp`).
+            :func:`~specdecode.models.hf_loading.load_model`, :func:`~specdecode.models.backends.load_llamacpp`).
         IncompatibleModelsError: two GGUF files of other vocabularies for a proposer that cannot
             switch to ``cross_tokenizer``.
         ValueError: the options given do not fit ``cross_tokenizer`` where two GGUF files of other
@@ -363,7 +363,7 @@ def load_models(plan: LoadPlan) -> LoadedModels:
         if final != proposer:
             proposer, config = final, _make_config(final, plan.options)
     else:
-        from specdecode.models.loading import load_model, load_tokenizer
+        from specdecode.models.hf_loading import load_model, load_tokenizer
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
         target = load_model(

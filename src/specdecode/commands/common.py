@@ -62,7 +62,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """``--dtype {auto,bfloat16,float32}`` (:func:`specdecode.models.loading.parse_dtype`)."""
+    """``--dtype {auto,bfloat16,float32}`` (:func:`specdecode.models.hf_loading.parse_dtype`)."""
     p.add_argument(
         "--dtype",
         default="auto",

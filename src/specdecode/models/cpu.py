@@ -26,7 +26,7 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   time (about 6 GB for the float32 1.5B target), made on the first multi-token pass.
 
 :func:`auto_dtype` picks bfloat16 where it is native (or on a GPU) and float32 otherwise;
-:func:`specdecode.models.loading.load_model` then routes the float32 model's large linears through
+:func:`specdecode.models.hf_loading.load_model` then routes the float32 model's large linears through
 oneDNN. ``scripts/bench_cpu_paths.py`` measures all three paths on a machine.
 """
 

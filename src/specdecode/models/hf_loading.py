@@ -1,4 +1,5 @@
-"""Load target and draft models from a local HF folder, a ``.gguf`` file or the default pair."""
+"""Load Hugging Face models (the torch backend) from a local HF folder, a ``.gguf`` file (converted
+once to a cached folder) or the default pair."""
 
 from __future__ import annotations
 
