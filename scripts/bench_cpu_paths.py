@@ -1,9 +1,9 @@
-"""Target (or draft) pass time over M tokens for each CPU compute path (specdecode.models.cpu).
+"""Target (or draft) pass time over M tokens for each CPU compute path (specdecode.models.torch.cpu).
 
 Loads the model once per path (bfloat16; float32 on torch's default kernels; float32 with oneDNN
 linears on the plain weights, ``float32+onednn``, or on prepacked ones for multi-token passes,
-``float32+packed``, the default of specdecode.models.cpu.use_onednn_linears; the dynamic int8 copy
-a draft gets from ``draft_quantization="int8"``, specdecode.models.quant, of the model as
+``float32+packed``, the default of specdecode.models.torch.cpu.use_onednn_linears; the dynamic int8 copy
+a draft gets from ``draft_quantization="int8"``, specdecode.models.torch.quant, of the model as
 ``--dtype auto`` loads it, ``int8``, or with its layers left out of int8 forced to float32,
 ``int8+float32``), prefills a random
 300-token context, then times passes over M = 1, 5, 9, 17 new tokens (rolled back after each),
@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from specdecode.models.cpu import native_bf16_matmul
-from specdecode.models.hf_loading import load_model
-from specdecode.models.quant import quantize_int8
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.cpu import native_bf16_matmul
+from specdecode.models.torch.hf_loading import load_model
+from specdecode.models.torch.quant import quantize_int8
+from specdecode.models.torch.runner import ModelRunner
 
 PATHS = {
     "bfloat16": ("bfloat16", False),

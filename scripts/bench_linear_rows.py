@@ -6,7 +6,7 @@ twice and keeping one is faster. This script measures, for the default target an
 
 1. every distinct linear shape of the model on 1 and on 2 rows (median of ``--reps`` calls);
 2. a whole one-token decode step (``ModelRunner.forward`` of one token after a short prompt), plain
-   and with every one-row linear padded to two rows (``specdecode.models.one_row_linear.pad_single_rows``),
+   and with every one-row linear padded to two rows (``specdecode.models.torch.one_row_linear.pad_single_rows``),
    the two arms alternating ``--rounds`` times so that drift of the machine hits both alike;
 3. whether the padded step's logits equal the plain step's (max abs difference, same argmax).
 
@@ -24,9 +24,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.hf_loading import load_model
-from specdecode.models.one_row_linear import pad_single_rows
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.hf_loading import load_model
+from specdecode.models.torch.one_row_linear import pad_single_rows
+from specdecode.models.torch.runner import ModelRunner
 
 
 def time_linear(weight: torch.Tensor, rows: int, reps: int) -> float:

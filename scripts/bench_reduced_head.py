@@ -21,9 +21,9 @@ import torch
 from bench_linear_rows import time_linear  # this script's folder is on sys.path
 
 from specdecode.commands.common import add_dtype_arg
-from specdecode.models.hf_loading import load_model
-from specdecode.models.quant import DRAFT_QUANTIZATIONS
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.hf_loading import load_model
+from specdecode.models.torch.quant import DRAFT_QUANTIZATIONS
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.token_map import load_token_map
 

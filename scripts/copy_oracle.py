@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from specdecode.bench.prompts import encode_chat, load_prompts
-from specdecode.models.hf_loading import load_tokenizer, resolve_model_dir
+from specdecode.models.torch.hf_loading import load_tokenizer, resolve_model_dir
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation
 
 

@@ -1,6 +1,6 @@
 """How often does a quantized draft predict what the float32 draft predicts?
 
-Runs the default draft (float32) and its quantized copies (``specdecode.models.quant``) over the same
+Runs the default draft (float32) and its quantized copies (``specdecode.models.torch.quant``) over the same
 tokens of Python standard-library source (never benchmark prompts) in one pass each, and prints the
 share of positions where each copy's argmax equals the float32 draft's, with the mean absolute
 logit error. A cheap probe of what a quantization costs in acceptance before a benchmark run.
@@ -20,8 +20,8 @@ import textwrap
 import torch
 
 from specdecode.models.default import ensure_default_model
-from specdecode.models.hf_loading import load_model, load_tokenizer
-from specdecode.models.quant import quantize_int8
+from specdecode.models.torch.hf_loading import load_model, load_tokenizer
+from specdecode.models.torch.quant import quantize_int8
 
 VARIANTS = {
     "int8": {},

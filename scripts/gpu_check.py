@@ -269,7 +269,7 @@ def stage_torch(result_path: Path, dry: bool) -> None:
         if model is None:
             continue
         try:
-            from specdecode.models.runner import ModelRunner
+            from specdecode.models.torch.runner import ModelRunner
 
             runner = ModelRunner(model)
             g = torch.Generator().manual_seed(0)
@@ -420,7 +420,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
     import torch
 
     from specdecode import SamplingParams, SpeculativeGenerator
-    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions, _lib
+    from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
     from specdecode.proposers.prompt_lookup import PromptLookupProposer
 
     lib = _lib()  # the llama_cpp module, loaded after torch as specdecode loads it

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdecode.calibrate import load_prompts
-from specdecode.models.hf_loading import load_model, load_tokenizer, resolve_model_dir
+from specdecode.models.torch.hf_loading import load_model, load_tokenizer, resolve_model_dir
 
 
 @torch.inference_mode()

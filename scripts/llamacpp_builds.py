@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     from specdecode.bench.prompts import load_prompts
     from specdecode.models.backends import DEFAULT_PROPOSER, load_llamacpp_tokenizer
     from specdecode.models.default import packaged_gguf
-    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions, _lib
+    from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
     from specdecode.proposers import make_proposer
 
     info = _lib().llama_print_system_info().decode(errors="replace")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from specdecode.models.backends import gguf_path
-from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions
+from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions
 
 
 def main() -> None:

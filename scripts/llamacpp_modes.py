@@ -3,7 +3,7 @@
 Modes of :class:`specdecode.models.llamacpp.LlamaCppOptions` (weights repacked in all):
 
 - ``exact``: the default: flash attention on, with ggml's CPU reference kernels for passes of at
-  most 3 tokens (:mod:`specdecode.models.llamacpp_kernels`), verification in batch-invariant chunks
+  most 3 tokens (:mod:`specdecode.models.llamacpp.kernels`), verification in batch-invariant chunks
   of 3 with a greedy early stop: greedy output equals our plain decoding in this mode by construction;
 - ``exact-fa-off``: the same chunks with flash attention off (exact mode before the reference-kernel
   switch, and where a llama.cpp build lacks it);
@@ -30,7 +30,7 @@ from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.bench.methods import METHODS, BenchModels, BenchSettings
 from specdecode.bench.prompts import load_prompts
 from specdecode.models.backends import DEFAULT_PROPOSER, load_llamacpp, load_llamacpp_tokenizer
-from specdecode.models.llamacpp import LlamaCppOptions
+from specdecode.models.llamacpp.model import LlamaCppOptions
 from specdecode.proposers import make_proposer
 
 MODES = {

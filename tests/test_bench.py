@@ -85,7 +85,7 @@ def test_cli_on_saved_tiny_models(models, questions, tmp_path, capsys, monkeypat
     # untrained (identity / random) drafters where medusa and eagle look by default, so the default
     # method list includes them; without them the bench skips both (checked below)
     from specdecode.drafters import DrafterConfig, build_drafter, default_drafter_dir, save_drafter
-    from specdecode.models.hf_loading import load_model
+    from specdecode.models.torch.hf_loading import load_model
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     saved_target = load_model(target_dir, "target", "float32")

@@ -10,7 +10,7 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.drafters import build_drafter
 from specdecode.drafters.heads import DrafterConfig
-from specdecode.models.compat import cache_keyword, cache_kwargs
+from specdecode.models.torch.compat import cache_keyword, cache_kwargs
 from specdecode.proposers import make_proposer
 from specdecode.proposers.eagle import EagleProposer
 

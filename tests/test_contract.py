@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from specdecode.models.backends import backend_of, make_batched_runner, make_runner, runner_capabilities, runner_class
-from specdecode.models.batch import BatchedRunner as TorchBatchedRunner
 from specdecode.models.contract import BatchedRunner, CapabilityError, RowTable, Runner, RunnerCapabilities
-from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions, LlamaCppRunner
-from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
-from specdecode.models.runner import ModelRunner
+from specdecode.models.llamacpp.batch import LlamaCppBatchedRunner
+from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, LlamaCppRunner
+from specdecode.models.torch.batch import BatchedRunner as TorchBatchedRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers import make_proposer
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 

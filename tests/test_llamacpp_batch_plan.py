@@ -2,12 +2,12 @@
 
 With ``kv_unified`` off llama.cpp splits a batch into micro-batches over runs of consecutive
 sequence ids, each one more pass over the weights; exact mode therefore fills a call with one row's
-tokens or with single tokens of rows whose ids follow each other (models/llamacpp_batch.py).
+tokens or with single tokens of rows whose ids follow each other (models/llamacpp/batch.py).
 """
 
 from __future__ import annotations
 
-from specdecode.models.llamacpp_batch import plan_passes
+from specdecode.models.llamacpp.batch import plan_passes
 
 
 def entries(counts: dict[int, int], seq_ids: list[int]) -> list[tuple[int, int, bool]]:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.models import llamacpp_build as build
-from specdecode.models import llamacpp_check as check
+from specdecode.models.llamacpp.model import build as build
+from specdecode.models.llamacpp.model import check as check
 
 AMD = {"model": "AMD EPYC", "flags": ["avx2", "avx512f"], "machine": "x86_64"}
 INTEL_AMX = {"model": "Intel Xeon", "flags": ["avx2", "avx512f", "amx_tile", "amx_int8"], "machine": "x86_64"}
@@ -69,7 +69,7 @@ def test_a_build_marked_failed_makes_auto_choose_portable(tmp_path: Path, monkey
 
 def test_the_setup_installs_the_keyed_build_and_smoke_tests_it() -> None:
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
-    assert "llamacpp_build.py install" in setup
+    assert "models/llamacpp/build.py install" in setup
     assert "pip install -q \"llama-cpp-python" not in setup  # no unkeyed install from pip's cache
     assert setup.count("specdecode doctor --check") == 2  # native, then portable
 

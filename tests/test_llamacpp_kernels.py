@@ -1,11 +1,11 @@
 """The reference-kernel switch exact mode sets before every llama.cpp pass
-(:mod:`specdecode.models.llamacpp_kernels`): on for passes of at most ``invariant_tokens`` tokens,
+(:mod:`specdecode.models.llamacpp.kernels`): on for passes of at most ``invariant_tokens`` tokens,
 off for longer ones, one call per change. The real-model checks (invariance with flash attention on,
 and what happens without the switch) are in ``tests/test_llamacpp.py``."""
 
 from __future__ import annotations
 
-from specdecode.models.llamacpp_kernels import ReferenceKernels
+from specdecode.models.llamacpp.kernels import ReferenceKernels
 
 
 def test_the_switch_is_on_for_invariant_passes_and_set_only_when_it_changes() -> None:

@@ -57,7 +57,7 @@ def test_trained_drafters_on_llamacpp_features_equal_plain_decoding(kind: str, r
 
 
 def test_gguf_embeddings_are_the_rows_llama_cpp_reads(eagle) -> None:
-    from specdecode.models.gguf_parts import GGUFTargetParts
+    from specdecode.models.llamacpp.gguf_tensors import GGUFTargetParts
 
     generator = eagle
     target = generator.target.model

@@ -1,6 +1,6 @@
 """Token trees on the llamacpp backend (issue 31), on the real default GGUF pair.
 
-A tree pass walks the tree depth-first on one sequence (:mod:`specdecode.models.llamacpp_tree`), so
+A tree pass walks the tree depth-first on one sequence (:mod:`specdecode.models.llamacpp.tree`), so
 in exact mode every node's logits and hidden state are bit-identical to decoding its branch token by
 token; ``compact`` leaves the cache as plain decoding of the kept path would; greedy tree
 speculation (static and dynamic trees, prompt lookup and the draft model) equals plain decoding;

@@ -44,7 +44,7 @@ def _no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("weights loaded")
 
-    from specdecode.models import hf_loading
+    from specdecode.models.torch import hf_loading
 
     monkeypatch.setattr(hf_loading, "load_model", refuse)
     monkeypatch.setattr(backends, "load_llamacpp", refuse)

@@ -16,7 +16,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, check_num_logprobs, token_logprobs
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.sampling import logits_to_probs
 
 from conftest import make_tiny_model, perturbed_copy

@@ -1,11 +1,11 @@
-"""One-row linear layers computed as two rows (specdecode.models.one_row_linear): same results, hooks removed."""
+"""One-row linear layers computed as two rows (specdecode.models.torch.one_row_linear): same results, hooks removed."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.models.one_row_linear import pad_single_rows
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.one_row_linear import pad_single_rows
+from specdecode.models.torch.runner import ModelRunner
 
 
 class _Shapes:

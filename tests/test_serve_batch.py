@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from specdecode.models.batch import BatchedRunner
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.batch import BatchedRunner
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.schedule import acceptance_trials
 from specdecode.serve.cost import (
     AcceptanceEstimate,

@@ -1,5 +1,5 @@
 """``specdecode serve`` on the llamacpp backend: the real default GGUF target in one llama.cpp context
-holding every running request (:class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner`),
+holding every running request (:class:`~specdecode.models.llamacpp.batch.LlamaCppBatchedRunner`),
 through real HTTP on loopback with the ``openai`` client.
 
 Exact mode (the default): each ``llama_decode`` carries at most ``invariant_tokens`` tokens, so

@@ -15,8 +15,8 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.commands.main import main
 from specdecode.errors import MissingDependencyError
-from specdecode.models.hf_loading import load_tokenizer
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.hf_loading import load_tokenizer
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers import get_spec
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from specdecode.sampling import logits_to_probs

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
-from specdecode.models.compat import cache_kwargs
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers.base import ProposerBase
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prompt_lookup import PromptLookupProposer, find_continuations

@@ -228,7 +228,7 @@ class SpeculativeGenerator:
                 one. With ``proposer="draft_model"``, a draft whose vocabulary differs from the
                 target's drafts through ``"cross_tokenizer"`` instead (a notice on stderr).
             dtype: ``"auto"`` (bfloat16 where the CPU multiplies it natively, else float32 with
-                oneDNN linears: :mod:`specdecode.models.cpu`), ``"bfloat16"`` or ``"float32"`` (or
+                oneDNN linears: :mod:`specdecode.models.torch.cpu`), ``"bfloat16"`` or ``"float32"`` (or
                 the torch dtype).
             proposer: a name from :data:`specdecode.proposers.PROPOSERS` (``"draft_model"``,
                 ``"prompt_lookup"``, ...), None for a target-only generator, or ``"auto"`` (default):
@@ -244,7 +244,7 @@ class SpeculativeGenerator:
                 :func:`~specdecode.load.load_models`).
             threads: CPU threads of the llamacpp backend (None: every core this process may use).
             exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
-                decoding on this backend (:mod:`specdecode.models.llamacpp`); False takes llama.cpp's
+                decoding on this backend (:mod:`specdecode.models.llamacpp.model`); False takes llama.cpp's
                 fastest kernels. Unused on torch (float32 is exact there).
             proposer_options: the proposer's own options, fields of its config dataclass
                 (e.g. ``max_ngram=4`` for prompt lookup, ``drafter=DIR`` for ``"medusa"`` /

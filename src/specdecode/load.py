@@ -248,7 +248,7 @@ def plan_models(
             to ``cross_tokenizer`` (model folders; GGUF files: :func:`load_models`).
     """
     from specdecode.models.default import DEFAULT_TARGET
-    from specdecode.models.hf_loading import parse_dtype
+    from specdecode.models.torch.hf_loading import parse_dtype
 
     parse_dtype(dtype)
     chosen, proposer, options, config = choose(proposer, backend, target, draft, dtype, server=server, **options)
@@ -256,14 +256,14 @@ def plan_models(
     loads_draft = needs_draft or (server and draft is not None)
     if chosen == "llamacpp":
         from specdecode.models.backends import gguf_path
-        from specdecode.models.llamacpp import LlamaCppOptions
+        from specdecode.models.llamacpp.model import LlamaCppOptions
 
         LlamaCppOptions(threads=threads, exact=exact)  # a bad value fails here, not after a load
         target_path = gguf_path(target, "target")  # every path checked before any weights load
         draft_path = gguf_path(draft, "draft") if loads_draft else None
         name = target_path.stem
     else:
-        from specdecode.models.hf_loading import resolve_model_dir
+        from specdecode.models.torch.hf_loading import resolve_model_dir
 
         target_path = resolve_model_dir(target, "target")
         draft_path = resolve_model_dir(draft, "draft") if loads_draft else None
@@ -303,7 +303,7 @@ def plan_bench_models(
 
             draft_path = gguf_path(draft, "draft")
         else:
-            from specdecode.models.hf_loading import resolve_model_dir
+            from specdecode.models.torch.hf_loading import resolve_model_dir
 
             draft_path = resolve_model_dir(draft, "draft")
     return dataclasses.replace(plan, draft=draft_path, prepack=True)
@@ -344,7 +344,7 @@ def load_models(plan: LoadPlan) -> LoadedModels:
 
     Raises:
         ModelNotFoundError, LlamaCppUnusableError: a model cannot load (see
-            :func:`~specdecode.models.hf_loading.load_model`, :func:`~specdecode.models.backends.load_llamacpp`).
+            :func:`~specdecode.models.torch.hf_loading.load_model`, :func:`~specdecode.models.backends.load_llamacpp`).
         IncompatibleModelsError: two GGUF files of other vocabularies for a proposer that cannot
             switch to ``cross_tokenizer``.
         ValueError: the options given do not fit ``cross_tokenizer`` where two GGUF files of other
@@ -353,7 +353,7 @@ def load_models(plan: LoadPlan) -> LoadedModels:
     proposer, config = plan.proposer, plan.config
     if plan.backend == "llamacpp":
         from specdecode.models.backends import load_llamacpp, load_llamacpp_tokenizer
-        from specdecode.models.llamacpp import LlamaCppOptions
+        from specdecode.models.llamacpp.model import LlamaCppOptions
 
         options = LlamaCppOptions(threads=plan.threads, exact=plan.exact)
         target = load_llamacpp(plan.target, "target", options)
@@ -363,7 +363,7 @@ def load_models(plan: LoadPlan) -> LoadedModels:
         if final != proposer:
             proposer, config = final, _make_config(final, plan.options)
     else:
-        from specdecode.models.hf_loading import load_model, load_tokenizer
+        from specdecode.models.torch.hf_loading import load_model, load_tokenizer
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
         target = load_model(

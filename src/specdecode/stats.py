@@ -22,7 +22,7 @@ class SpecStats:
         proposer: the proposer's name, or ``"none"`` for target-only decoding.
         dtype: the target's dtype, e.g. ``"bfloat16"``.
         draft_quantization: ``"int8"`` when the draft model drafted with int8 linear layers
-            (:mod:`specdecode.models.quant`), ``"int8-head"`` when a Medusa / EAGLE drafter scored
+            (:mod:`specdecode.models.torch.quant`), ``"int8-head"`` when a Medusa / EAGLE drafter scored
             with int8 LM-head rows (``head_quantization``), else ``"none"``.
         schedule: how k was chosen per step (``"constant"``, ``"heuristic"``, ``"adaptive"``;
             ``"none"`` without speculation); with a varying k, ``num_speculative_tokens`` is its ceiling.

@@ -161,9 +161,9 @@ class BenchModels:
         name such as ``smollm2``), loaded once in the target's dtype.
 
         Raises:
-            ModelNotFoundError: see :func:`specdecode.models.hf_loading.resolve_model_dir`.
+            ModelNotFoundError: see :func:`specdecode.models.torch.hf_loading.resolve_model_dir`.
         """
-        from specdecode.models.hf_loading import load_model
+        from specdecode.models.torch.hf_loading import load_model
 
         if spec not in self._drafts:
             self._drafts[spec] = load_model(spec, "draft", self.target.dtype)
@@ -177,7 +177,7 @@ class BenchModels:
         Raises:
             ValueError: an unknown dtype.
         """
-        from specdecode.models.hf_loading import load_model, parse_dtype
+        from specdecode.models.torch.hf_loading import load_model, parse_dtype
 
         if dtype not in self._targets:
             if parse_dtype(dtype) == self.target.dtype:  # the loaded target already is that dtype: no copy
@@ -200,7 +200,7 @@ class BenchModels:
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            from specdecode.models.llamacpp import default_threads
+            from specdecode.models.llamacpp.model import default_threads
 
             threads = self.threads or default_threads()
             draft = LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens) if num_pred_tokens else None
@@ -514,7 +514,7 @@ def parse_method(text: str) -> Method:
         label = key + (f"+{match['schedule']}" if match["schedule"] else "") + (f"@{tree}" if tree else "")
     draft = options.pop("draft", None)
     if draft is not None:
-        from specdecode.models.hf_loading import resolve_model_dir
+        from specdecode.models.torch.hf_loading import resolve_model_dir
 
         if name not in LIBRARY or not LIBRARY[name].needs_draft:
             raise ValueError(f"method {text!r}: draft= is an option of proposers with a draft model only")
@@ -554,7 +554,7 @@ def _target_in(text: str, options: str) -> Method:
     Raises:
         ValueError: an option other than ``dtype=``, or an unknown dtype.
     """
-    from specdecode.models.hf_loading import DTYPE_CHOICES
+    from specdecode.models.torch.hf_loading import DTYPE_CHOICES
 
     key, sep, dtype = options.partition("=")
     if key != "dtype" or not sep or dtype not in DTYPE_CHOICES:
@@ -570,7 +570,7 @@ def _hf_assisted_with(text: str, options: str) -> Method:
     Raises:
         ValueError: an option other than ``draft=``, or an unknown draft.
     """
-    from specdecode.models.hf_loading import load_tokenizer, resolve_model_dir
+    from specdecode.models.torch.hf_loading import load_tokenizer, resolve_model_dir
 
     key, sep, spec = options.partition("=")
     if key != "draft" or not sep or "," in spec:

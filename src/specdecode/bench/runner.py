@@ -32,13 +32,13 @@ WARMUP_TOKENS = 8
 
 def environment(command: Sequence[str] | None = None) -> dict[str, Any]:
     """CPU and GPU names, the CPU's vector capability and native bf16 matmul (which decide how a
-    pass over k + 1 tokens costs, :mod:`specdecode.models.cpu`), library versions, torch's thread
+    pass over k + 1 tokens costs, :mod:`specdecode.models.torch.cpu`), library versions, torch's thread
     count, the load average (1, 5, 15 min: other work on the machine skews every timing) and the
     command line."""
     import torch
     import transformers
 
-    from specdecode.models.cpu import native_bf16_matmul
+    from specdecode.models.torch.cpu import native_bf16_matmul
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -179,7 +179,7 @@ def default_methods(target: str | None, backend: str = "torch") -> list[str]:
     from specdecode.drafters import find_drafter_dir
     from specdecode.drafters.heads import CONFIG_FILE
     from specdecode.models.backends import target_gguf
-    from specdecode.models.hf_loading import resolve_model_dir
+    from specdecode.models.torch.hf_loading import resolve_model_dir
     from specdecode.proposers import PROPOSERS
 
     has_gguf = target_gguf(target) is not None  # the llama.cpp peers need the target as a GGUF file

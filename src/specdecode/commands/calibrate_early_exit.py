@@ -75,7 +75,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specdecode.limits import check_num_speculative_tokens
-    from specdecode.models.hf_loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
+    from specdecode.models.torch.hf_loading import load_model, load_tokenizer, parse_dtype, resolve_model_dir
     from specdecode.sampling import SamplingParams
 
     layers = parse_layers(args.layers) if args.layers is not None else None  # cheap checks before loading

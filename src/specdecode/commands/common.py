@@ -62,13 +62,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """``--dtype {auto,bfloat16,float32}`` (:func:`specdecode.models.hf_loading.parse_dtype`)."""
+    """``--dtype {auto,bfloat16,float32}`` (:func:`specdecode.models.torch.hf_loading.parse_dtype`)."""
     p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "bfloat16", "float32"],
         help="compute dtype; auto (default): bfloat16 where the CPU multiplies it natively (or on a GPU), else "
-        "float32 with oneDNN linears (specdecode.models.cpu)",
+        "float32 with oneDNN linears (specdecode.models.torch.cpu)",
     )
 
 

@@ -48,7 +48,7 @@ def machine_lines() -> list[str]:
     """The CPU (model, cores, the flags of :data:`FLAGS_OF_INTEREST`), the OS, Python, torch and CUDA."""
     import torch
 
-    from specdecode.models.llamacpp_build import cpu_info
+    from specdecode.models.llamacpp.build import cpu_info
 
     cpu = cpu_info()
     flags = [f for f in FLAGS_OF_INTEREST if f in cpu["flags"]]
@@ -71,7 +71,7 @@ def build_lines() -> list[str]:
     whether that key is this machine's."""
     import importlib.metadata
 
-    from specdecode.models.llamacpp_build import build_key, build_spec, installed_record
+    from specdecode.models.llamacpp.build import build_key, build_spec, installed_record
 
     try:
         version = importlib.metadata.version("llama-cpp-python")
@@ -92,7 +92,7 @@ def build_lines() -> list[str]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Print the report; with ``--check``, exit 1 when the smoke test fails (or cannot run)."""
     from specdecode.models.backends import explain_backend, llamacpp_available, target_gguf
-    from specdecode.models.llamacpp_check import check_llamacpp, failure_message
+    from specdecode.models.llamacpp.check import check_llamacpp, failure_message
 
     for line in machine_lines() + build_lines():
         print(line)

@@ -203,7 +203,7 @@ def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
     import dataclasses
 
     from specdecode.load import choose
-    from specdecode.models.hf_loading import parse_dtype
+    from specdecode.models.torch.hf_loading import parse_dtype
     from specdecode.serve.replicas import ReplicaConfig, run_replicas
 
     parse_dtype(args.dtype)

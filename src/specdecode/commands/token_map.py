@@ -59,7 +59,7 @@ def add_token_map_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_build_token_map(args: argparse.Namespace) -> int:
     """Count the corpus, save the map, print one JSON object: corpus size and coverage per N."""
-    from specdecode.models.hf_loading import load_tokenizer, resolve_model_dir
+    from specdecode.models.torch.hf_loading import load_tokenizer, resolve_model_dir
 
     sources = [s.strip() for s in args.corpus.split(",") if s.strip()]
     tokenizer = load_tokenizer(resolve_model_dir(args.target, "target"))

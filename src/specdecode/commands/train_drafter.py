@@ -166,7 +166,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     """Collect the target's features on the corpus (resumable), then train and save the drafter."""
     from specdecode.drafters import default_drafter_dir
     from specdecode.models.default import cache_dir
-    from specdecode.models.hf_loading import load_model, load_tokenizer, resolve_model_dir
+    from specdecode.models.torch.hf_loading import load_model, load_tokenizer, resolve_model_dir
     from specdecode.token_map import corpus_files, read_texts, special_token_ids
 
     config = TrainConfig(

@@ -36,8 +36,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2Model
 
 from specdecode.errors import IncompatibleModelsError
-from specdecode.models.compat import cache_kwargs
-from specdecode.models.quant import int8_linear
+from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.quant import int8_linear
 
 KINDS = ("medusa", "eagle")
 CONFIG_FILE = "drafter.json"
@@ -204,7 +204,7 @@ class Drafter(nn.Module):
 
     def quantize_head(self) -> Drafter:
         """Replace the copied LM-head rows (``[N, H]`` in the target's dtype) with a dynamic int8
-        linear of them (:func:`specdecode.models.quant.int8_linear`: int8 weights, one scale per
+        linear of them (:func:`specdecode.models.torch.quant.int8_linear`: int8 weights, one scale per
         row, activations quantized per call; float32 in, float32 out) and free the float rows.
 
         On the shipped EAGLE head for the default target (16,384 rows of 1,536): 50.3 MB -> 25 MB,
@@ -256,7 +256,7 @@ class Drafter(nn.Module):
 
     def attach_parts(self, head_rows: torch.Tensor, embed: nn.Module, dtype: torch.dtype = torch.float32) -> Drafter:
         """Attach to a target that is not a ``transformers`` model (a GGUF file on llama.cpp,
-        :mod:`specdecode.models.gguf_parts`): its LM-head rows of :attr:`head_ids` and a module
+        :mod:`specdecode.models.llamacpp.gguf_tensors`): its LM-head rows of :attr:`head_ids` and a module
         embedding token ids, given by the caller, who has checked they belong to the drafter's target.
 
         Args:

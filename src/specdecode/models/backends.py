@@ -1,7 +1,7 @@
 """Which backend runs a model, and loading a model on it (docs/design.md §2b).
 
 Two backends implement the runner contract: ``torch`` (Hugging Face ``transformers`` models,
-:class:`~specdecode.models.runner.ModelRunner`) and ``llamacpp`` (GGUF files on llama.cpp's
+:class:`~specdecode.models.torch.runner.ModelRunner`) and ``llamacpp`` (GGUF files on llama.cpp's
 kernels, :class:`~specdecode.models.llamacpp.LlamaCppRunner`). A loaded model of either kind
 becomes a runner (:mod:`specdecode.models.contract`) through :func:`make_runner`, and says what
 its runners can do through :func:`runner_capabilities`; nothing above that branches on the backend.
@@ -52,7 +52,7 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
 
     ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
     without a CUDA GPU, where llama-cpp-python is installed and its build passed the smoke test on
-    that file (:mod:`specdecode.models.llamacpp_check`; a failed one prints one line on stderr and
+    that file (:mod:`specdecode.models.llamacpp.check`; a failed one prints one line on stderr and
     takes torch); ``torch`` for Hugging Face folders, on a CUDA GPU, and whenever a ``dtype`` other
     than ``"auto"`` is asked for (a torch setting). :func:`explain_backend` says why.
 
@@ -94,7 +94,7 @@ def explain_backend(backend: str, target: str | Path | None = None, dtype: Any =
     gguf = target_gguf(target)
     if gguf is None:  # not installed or missing: loading says so
         return "llamacpp", "a GGUF model on a CPU: llama.cpp's kernels"
-    from specdecode.models.llamacpp_check import check_llamacpp, usable
+    from specdecode.models.llamacpp.check import check_llamacpp, usable
 
     result = check_llamacpp(gguf)
     if not usable(result):  # a crash or a hang; a file llama.cpp refuses fails as it loads
@@ -141,10 +141,10 @@ def load_llamacpp(spec: str | Path | None, role: str, options: Any = None) -> An
     Raises:
         ModelNotFoundError: see :func:`gguf_path`.
         LlamaCppUnusableError: the build failed its smoke test on this file (cached;
-            :mod:`specdecode.models.llamacpp_check`).
+            :mod:`specdecode.models.llamacpp.check`).
     """
-    from specdecode.models.llamacpp import LlamaCppModel
-    from specdecode.models.llamacpp_check import require_llamacpp
+    from specdecode.models.llamacpp.check import require_llamacpp
+    from specdecode.models.llamacpp.model import LlamaCppModel
 
     path = gguf_path(spec, role)
     require_llamacpp(path)  # a build that crashes dies in a child process, not in this one
@@ -163,7 +163,7 @@ def load_llamacpp_tokenizer(model: Any) -> Any:
 def _is_llamacpp(model: Any) -> bool:
     """``model`` is a :class:`~specdecode.models.llamacpp.LlamaCppModel` (an isinstance check; the
     module imports without llama-cpp-python, whose native library loads on first use)."""
-    from specdecode.models.llamacpp import LlamaCppModel
+    from specdecode.models.llamacpp.model import LlamaCppModel
 
     return isinstance(model, LlamaCppModel)
 
@@ -171,10 +171,10 @@ def _is_llamacpp(model: Any) -> bool:
 def make_runner(model: Any) -> Runner:
     """The runner (:class:`~specdecode.models.contract.Runner`) of a loaded model: a llama.cpp
     model's own (:meth:`~specdecode.models.llamacpp.LlamaCppModel.make_runner`), else a
-    :class:`~specdecode.models.runner.ModelRunner` over a ``transformers`` model."""
+    :class:`~specdecode.models.torch.runner.ModelRunner` over a ``transformers`` model."""
     if _is_llamacpp(model):
         return model.make_runner()
-    from specdecode.models.runner import ModelRunner
+    from specdecode.models.torch.runner import ModelRunner
 
     return ModelRunner(model)
 
@@ -182,19 +182,19 @@ def make_runner(model: Any) -> Runner:
 def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = None) -> BatchedRunner:
     """The batched runner (:class:`~specdecode.models.contract.BatchedRunner`: many sequences, one
     pass; the server's) of a loaded model: for a llama.cpp model a
-    :class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner` (its context reserves
+    :class:`~specdecode.models.llamacpp.batch.LlamaCppBatchedRunner` (its context reserves
     ``row_capacity`` tokens per row, default the model's ``n_ctx``), else a
-    :class:`~specdecode.models.batch.BatchedRunner` over a ``transformers`` model (its cache starts
+    :class:`~specdecode.models.torch.batch.BatchedRunner` over a ``transformers`` model (its cache starts
     at ``min(row_capacity, 256)`` positions per row and grows as needed).
 
     Raises:
         ValueError: ``max_rows`` < 1, or a model the batched runner cannot run.
     """
     if _is_llamacpp(model):
-        from specdecode.models.llamacpp_batch import LlamaCppBatchedRunner
+        from specdecode.models.llamacpp.batch import LlamaCppBatchedRunner
 
         return LlamaCppBatchedRunner(model, max_rows, (row_capacity or model.options.n_ctx) * max_rows)
-    from specdecode.models.batch import BatchedRunner as TorchBatchedRunner
+    from specdecode.models.torch.batch import BatchedRunner as TorchBatchedRunner
 
     return TorchBatchedRunner(model, max_rows, capacity=min(row_capacity or 256, 256))
 
@@ -208,10 +208,10 @@ def backend_of(model: Any) -> str:
 def runner_class(model: Any) -> type:
     """The class of the runner :func:`make_runner` makes of ``model`` (for messages and checks)."""
     if _is_llamacpp(model):
-        from specdecode.models.llamacpp import LlamaCppRunner
+        from specdecode.models.llamacpp.model import LlamaCppRunner
 
         return LlamaCppRunner
-    from specdecode.models.runner import ModelRunner
+    from specdecode.models.torch.runner import ModelRunner
 
     return ModelRunner
 
@@ -221,7 +221,7 @@ def runner_capabilities(model: Any) -> RunnerCapabilities:
     proposer deciding how to build itself: a reduced head, an int8 copy, a drafter's LM-head rows):
     :attr:`LlamaCppModel.capabilities <specdecode.models.llamacpp.LlamaCppModel.capabilities>`
     for a llama.cpp model, else :attr:`ModelRunner.capabilities
-    <specdecode.models.runner.ModelRunner.capabilities>`."""
+    <specdecode.models.torch.runner.ModelRunner.capabilities>`."""
     if _is_llamacpp(model):
         return model.capabilities  # its options decide batch_invariant and greedy_hints
     return runner_class(model).capabilities  # type: ignore[attr-defined]

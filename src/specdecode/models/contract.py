@@ -5,10 +5,10 @@ runner: :class:`Runner` (one sequence, batch 1) or :class:`BatchedRunner` (many 
 the server's). Both are ``typing.Protocol`` s, ``runtime_checkable``, so ``isinstance(r, Runner)``
 checks that every member is there (not their signatures). The implementations:
 
-- torch: :class:`~specdecode.models.runner.ModelRunner`, :class:`~specdecode.models.batch.BatchedRunner`
+- torch: :class:`~specdecode.models.torch.runner.ModelRunner`, :class:`~specdecode.models.torch.batch.BatchedRunner`
   (the class of that name; this module's :class:`BatchedRunner` is the protocol it implements);
 - llamacpp: :class:`~specdecode.models.llamacpp.LlamaCppRunner`,
-  :class:`~specdecode.models.llamacpp_batch.LlamaCppBatchedRunner`.
+  :class:`~specdecode.models.llamacpp.batch.LlamaCppBatchedRunner`.
 
 What a runner can do beyond the common members is **declared**, not probed: every runner has a
 ``capabilities`` attribute, a frozen :class:`RunnerCapabilities`. A caller that needs one asks it
@@ -269,7 +269,7 @@ class RowTable:
     id; the torch runner, which moves the row's data instead, does not read it).
 
     A new row takes the lowest free slot (so that the rows' llama.cpp sequence ids stay consecutive,
-    :mod:`specdecode.models.llamacpp_batch`); a removed row's index goes to the last row, which keeps
+    :mod:`specdecode.models.llamacpp.batch`); a removed row's index goes to the last row, which keeps
     its slot and length.
 
     Args:

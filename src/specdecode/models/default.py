@@ -94,7 +94,7 @@ NAMED_MODELS = {"smollm2": SMOLLM2}
 
 def cache_dir() -> Path:
     """Root of specdecode's on-disk cache (see module docstring for the lookup order)."""
-    from specdecode.models.llamacpp_build import cache_root  # one rule, also for the set-up's builds
+    from specdecode.models.llamacpp.build import cache_root  # one rule, also for the set-up's builds
 
     return cache_root()
 

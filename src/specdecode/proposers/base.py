@@ -213,10 +213,10 @@ def proposer_weight_bytes(proposer: object, target: object | None = None, max_de
     Counted: the parameters and buffers of every ``torch.nn.Module`` reachable from the proposer's
     attributes (a draft model, its reduced or int8 head, a trained drafter), the packed int8
     weights and biases of dynamically quantized linears (``torch.ao`` keeps them outside
-    parameters and buffers: :func:`specdecode.models.quant.quantize_int8`), and tensors that
+    parameters and buffers: :func:`specdecode.models.torch.quant.quantize_int8`), and tensors that
     specdecode's own objects keep inside such a module (e.g. a drafter's copy of the target's
     LM-head rows, or the prepacked oneDNN copy of a float32 layer's weight that
-    :func:`specdecode.models.cpu.use_onednn_linears` makes on the first multi-token pass: counted
+    :func:`specdecode.models.torch.cpu.use_onednn_linears` makes on the first multi-token pass: counted
     once it exists), and the ``weight_bytes`` of a backend model (a llama.cpp GGUF draft:
     :class:`~specdecode.models.llamacpp.LlamaCppModel`); each storage (each quantized layer) once. Not
     counted: storages the ``target``

@@ -206,7 +206,7 @@ def same_vocabulary(target_tokenizer: Any, draft_tokenizer: Any) -> bool:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer_cached(model_dir: str) -> Any:
     """The tokenizer saved in ``model_dir``, loaded once per process (tokenizers are not mutated)."""
-    from specdecode.models.hf_loading import load_tokenizer
+    from specdecode.models.torch.hf_loading import load_tokenizer
 
     return load_tokenizer(Path(model_dir))
 

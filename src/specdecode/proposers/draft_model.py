@@ -11,13 +11,13 @@ from transformers import PreTrainedModel
 
 from specdecode.models.backends import make_runner, runner_capabilities, runner_class
 from specdecode.models.contract import RunnerCapabilities
-from specdecode.models.quant import (
+from specdecode.models.torch.quant import (
     check_draft_quantization,
     resolve_draft_quantization,
     shared_int8_copy,
     shared_int8_head,
 )
-from specdecode.models.runner import ModelRunner, share_plain_check
+from specdecode.models.torch.runner import ModelRunner, share_plain_check
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.hybrid import (
     check_prompt_lookup,
@@ -49,8 +49,9 @@ class DraftModelConfig:
         draft_vocab_size: use only the first N ids of ``token_map`` (its N most frequent tokens);
             None uses all of it. A string of an integer (from the command line) is accepted.
         draft_quantization: ``"int8"`` drafts with a dynamic int8 copy of the draft's linear layers
-            (:func:`specdecode.models.quant.quantize_int8`; CPU only, ``down_proj`` stays out of int8;
-            with a token map the reduced head is rows of the int8 head, :func:`~specdecode.models.quant.int8_rows`):
+            (:func:`specdecode.models.torch.quant.quantize_int8`; CPU only, ``down_proj`` stays out of int8;
+            with a token map the reduced head is rows of the int8 head,
+            :func:`~specdecode.models.torch.quant.int8_rows`):
             a drafted token cost 0.6 of the float32 draft's on an AVX2 CPU and 0.69 of the bfloat16
             draft's on an Intel CPU with AMX (bench cost ratio c 0.403 -> 0.280), at the same
             acceptance; the output stays exact.
@@ -131,7 +132,7 @@ class DraftModelProposer(ProposerBase):
     top-k / top-p and return it as ``q`` for rejection sampling.
 
     With a token map (``config.token_map``) the draft scores only the map's N tokens (a reduced
-    LM head, :class:`~specdecode.models.runner.ModelRunner` ``head_ids``): greedy drafts the argmax
+    LM head, :class:`~specdecode.models.torch.runner.ModelRunner` ``head_ids``): greedy drafts the argmax
     over the map; sampling applies temperature, then top-k and top-p to the *reduced* logits (so
     top-k keeps the k most likely tokens of the map, and top-p the nucleus of the draft's
     distribution renormalised over the map), and returns ``q`` over the full vocabulary, zero
@@ -150,7 +151,7 @@ class DraftModelProposer(ProposerBase):
 
     Raises:
         ValueError: a token map with ids outside the draft's vocabulary, a draft whose logits a
-            reduced head cannot reproduce (see :class:`~specdecode.models.runner.ModelRunner`), or
+            reduced head cannot reproduce (see :class:`~specdecode.models.torch.runner.ModelRunner`), or
             ``draft_quantization`` for a draft off the CPU.
 
     Attributes:

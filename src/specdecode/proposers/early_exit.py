@@ -146,7 +146,7 @@ def early_exit_view(target: PreTrainedModel, exit_layer: int) -> PreTrainedModel
 
     Its forward is the target class's own, so it takes the target's KV cache (a ``DynamicCache`` built
     from its config has ``exit_layer`` layers) and ``logits_to_keep`` like the target, and
-    :class:`~specdecode.models.runner.ModelRunner` runs it. Logits: float ``[B, T, V]`` in the
+    :class:`~specdecode.models.torch.runner.ModelRunner` runs it. Logits: float ``[B, T, V]`` in the
     target's dtype, ``V`` the target's vocabulary.
 
     Supported: decoder-only models with the Llama / Qwen2 layout (``model.embed_tokens``,

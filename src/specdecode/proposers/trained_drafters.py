@@ -222,9 +222,9 @@ def find_gguf_drafter_dir(kind: str, model: Any) -> Path:
 
 def _load_for_gguf(kind: str, config: TrainedDrafterConfig, model: Any) -> MedusaHeads | EagleHead:
     """:func:`load_for_target` for a GGUF target on llama.cpp: the drafter in float32, attached to
-    the LM-head rows and embeddings dequantized from the GGUF file (:mod:`specdecode.models.gguf_parts`)."""
+    the LM-head rows and embeddings dequantized from the GGUF file (:mod:`specdecode.models.llamacpp.gguf_tensors`)."""
     from specdecode.drafters.heads import read_drafter_config
-    from specdecode.models.gguf_parts import GGUFTargetParts
+    from specdecode.models.llamacpp.gguf_tensors import GGUFTargetParts
 
     default = config.drafter is None
     path = find_gguf_drafter_dir(kind, model) if default else Path(config.drafter)  # type: ignore[arg-type]

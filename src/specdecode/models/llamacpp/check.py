@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.llamacpp_build import cache_root, cpu_info, installed_record
+from specdecode.models.llamacpp.build import cache_root, cpu_info, installed_record
 
 CHECK_TIMEOUT_S = 300.0
 """The longest a smoke test may take (loading a multi-GB file from a cold disk included)."""
@@ -96,7 +96,7 @@ def check_key(gguf: Path) -> str:
 
 def check_command(gguf: Path) -> list[str]:
     """The child's command line: this module run as a script on ``gguf``."""
-    return [sys.executable, "-m", "specdecode.models.llamacpp_check", str(gguf)]
+    return [sys.executable, "-m", "specdecode.models.llamacpp.check", str(gguf)]
 
 
 def _describe_exit(code: int, phase: str) -> str:
@@ -202,7 +202,7 @@ def _child(gguf: str) -> int:
     """The child: load ``gguf`` as the runner does and decode (prints its phases)."""
     import torch
 
-    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppOptions, _lib
+    from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
 
     def phase(name: str) -> None:
         print(f"phase: {name}", flush=True)

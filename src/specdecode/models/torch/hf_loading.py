@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdecode.errors import ModelNotFoundError
-from specdecode.models.cpu import auto_dtype, prepack, use_onednn_linears
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
+from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts
@@ -21,7 +21,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"`` / ``"bfloat16"`` / ``"float32"`` (or the torch dtype) -> torch dtype.
 
-    ``"auto"`` is :func:`specdecode.models.cpu.auto_dtype` for the CPU: bfloat16 where this CPU
+    ``"auto"`` is :func:`specdecode.models.torch.cpu.auto_dtype` for the CPU: bfloat16 where this CPU
     multiplies bf16 natively, float32 otherwise (there a pass over k + 1 tokens costs k + 1
     bf16 passes, which no speculation can win back).
 
@@ -77,9 +77,9 @@ def load_model(
     """Load a causal LM in ``dtype`` for inference (``spec`` as in :func:`resolve_model_dir`).
 
     A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
-    few tokens (:func:`specdecode.models.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
+    few tokens (:func:`specdecode.models.torch.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
     default kernels). With ``prepack_now``, such a model takes its packing decision and makes its
-    prepacked copies at once (:func:`specdecode.models.cpu.prepack`): for a target loaded before
+    prepacked copies at once (:func:`specdecode.models.torch.cpu.prepack`): for a target loaded before
     its draft, so that the draft's copies cannot leave it without them. A collection of Python's
     cycle collector runs first, so that a model loaded after another was dropped does not find
     memory still held by objects in reference cycles (routed layers themselves form none: they

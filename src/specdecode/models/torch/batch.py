@@ -36,16 +36,16 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.models.compat import cache_kwargs
 from specdecode.models.contract import RowTable, RunnerCapabilities
-from specdecode.models.runner import check_decoder_logits
+from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.runner import check_decoder_logits
 
 _ATTENTION = ("sdpa", "eager")
 
 
 class BatchedKVCache:
     """Per-layer key / value buffers with a length per row; passed to the model as its KV cache
-    (``cache`` or ``past_key_values``, :func:`specdecode.models.compat.cache_kwargs`).
+    (``cache`` or ``past_key_values``, :func:`specdecode.models.torch.compat.cache_kwargs`).
 
     Buffers are created on the first :meth:`update` of each layer (shape, dtype and device from
     the model's keys) and grow along the sequence axis when a forward needs more room.
@@ -252,7 +252,7 @@ class BatchedRunner:
         Returns:
             per row, float32 ``[num_logits[b], V]`` on :attr:`device`; row i scores the token after
             ``inputs[b][n_b - num_logits[b] + i]``, exactly as
-            :meth:`specdecode.models.runner.ModelRunner.forward` does for one sequence. With
+            :meth:`specdecode.models.torch.runner.ModelRunner.forward` does for one sequence. With
             ``return_hidden``: ``(logits, hidden)``, ``hidden[b]`` ``[n_b, H]`` in the model's dtype.
 
         Raises:

@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from specdecode.models.cpu import native_bf16_matmul, use_onednn_linears
-from specdecode.models.runner import ModelRunner
+from specdecode.models.torch.cpu import native_bf16_matmul, use_onednn_linears
+from specdecode.models.torch.runner import ModelRunner
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -112,7 +112,7 @@ class _UpcastEmbedding(torch.nn.Module):
 class _CastLinear(torch.nn.Linear):
     """A linear layer left out of int8 that keeps its bfloat16 weight inside the float32 copy: casts
     each call's input to bfloat16 and the result back to float32 (one bfloat16 GEMM, where the CPU
-    multiplies bfloat16 natively: :func:`~specdecode.models.cpu.native_bf16_matmul`). Weight and
+    multiplies bfloat16 natively: :func:`~specdecode.models.torch.cpu.native_bf16_matmul`). Weight and
     bias are buffers, as in :class:`_UpcastEmbedding`, so the copy's ``dtype`` stays float32; it is
     an ``nn.Linear`` for code that reads a head's ``weight`` (a head left out of int8 by ``keep_float``).
 
@@ -167,7 +167,7 @@ def quantize_int8(
 
     - the layers named by ``keep_float``, in ``float_dtype``:
       float32 layers keep (or get) the oneDNN few-row path of
-      :func:`~specdecode.models.cpu.use_onednn_linears`; bfloat16 layers cast their input to
+      :func:`~specdecode.models.torch.cpu.use_onednn_linears`; bfloat16 layers cast their input to
       bfloat16 and their output back to float32;
     - the input embedding: a bfloat16 / float16 table stays in its dtype and is looked up into
       float32 (exact), and so does a float32 table whose values are all bfloat16 values (a draft
@@ -287,7 +287,7 @@ def shared_int8_copy(model: torch.nn.Module) -> torch.nn.Module:
     shared (while ``model`` lives): a server builds a proposer per request, and each would
     otherwise copy and quantize the draft. The copy holds weights only; every proposer keeps its
     own cache. For token trees the copy inherits the float model's attention-mask check
-    (:meth:`~specdecode.models.runner.ModelRunner.share_masking_check`), run here once.
+    (:meth:`~specdecode.models.torch.runner.ModelRunner.share_masking_check`), run here once.
     Same errors as :func:`quantize_int8`."""
     with _SHARED_LOCK:
         if model not in _SHARED:

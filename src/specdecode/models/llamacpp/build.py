@@ -15,12 +15,12 @@ went wrong with a plain ``pip install``:
   arguments, the CPU (model and flags), the machine, the compiler and the Python ABI
   (:func:`build_key`); another machine or backend gets another key and builds anew.
 
-If the native build fails its smoke test (:mod:`specdecode.models.llamacpp_check`), the set-up
+If the native build fails its smoke test (:mod:`specdecode.models.llamacpp.check`), the set-up
 builds the ``portable`` flavour: ``GGML_NATIVE=OFF`` with the instruction sets llama.cpp's own
 release builds use (AVX2, FMA, F16C on x86-64 CPUs that have them), AMX off.
 
 Standard library only: ``scripts/setup.sh`` runs this file with the virtualenv's Python before
-specdecode is installed (``python src/specdecode/models/llamacpp_build.py install``), and
+specdecode is installed (``python src/specdecode/models/llamacpp/build.py install``), and
 ``specdecode doctor`` imports it.
 """
 
@@ -259,7 +259,7 @@ def _importable() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python llamacpp_build.py install|key|spec|mark-failed [--flavour F] [--force]``."""
+    """``python models/llamacpp/build.py install|key|spec|mark-failed [--flavour F] [--force]``."""
     parser = argparse.ArgumentParser(description="the keyed llama.cpp build of the set-up")
     parser.add_argument("action", choices=["install", "key", "spec", "mark-failed"])
     parser.add_argument("--flavour", choices=("auto", *FLAVOURS), default="auto")

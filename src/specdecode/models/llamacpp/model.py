@@ -2,11 +2,11 @@
 
 A :class:`LlamaCppModel` loads a GGUF file once; each :class:`LlamaCppRunner` made from it is a
 llama.cpp context with its own KV cache, and implements the runner contract the engine and the
-proposers use (docs/design.md §2b, :class:`~specdecode.models.runner.ModelRunner` is the torch
+proposers use (docs/design.md §2b, :class:`~specdecode.models.torch.runner.ModelRunner` is the torch
 one): ``forward(new_ids, num_logits)`` -> float32 logits ``[num_logits, V]``, ``truncate(n)``
 (``llama_memory_seq_rm``), ``reset``, ``length``, ``vocab_size``, ``max_length``, and token trees
 (``forward_masked``, ``compact``), walked depth-first on the one sequence so that every node is
-exact (:mod:`specdecode.models.llamacpp_tree`).
+exact (:mod:`specdecode.models.llamacpp.tree`).
 
 Batch invariance ("exact" mode). Speculative decoding verifies k + 1 tokens in one pass; plain
 decoding runs one token per pass. Greedy output is the same text only when the pass over k + 1
@@ -37,8 +37,8 @@ import torch
 from specdecode.models.contract import RunnerCapabilities
 
 if TYPE_CHECKING:
-    from specdecode.models.llamacpp_kernels import ReferenceKernels
-    from specdecode.models.llamacpp_tree import TreeCache
+    from specdecode.models.llamacpp.kernels import ReferenceKernels
+    from specdecode.models.llamacpp.tree import TreeCache
 
 INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
@@ -89,7 +89,7 @@ class LlamaCppOptions:
         repack: let llama.cpp repack the weights for its fastest CPU kernels (``use_extra_bufts``).
         flash_attn: llama.cpp's flash attention; None: with ``exact``, on, with ggml's CPU
             reference kernels for the passes of at most ``invariant_tokens`` tokens
-            (:mod:`specdecode.models.llamacpp_kernels`: its fast CPU kernel sums a one-token pass
+            (:mod:`specdecode.models.llamacpp.kernels`: its fast CPU kernel sums a one-token pass
             over 512+ cached tokens in per-thread chunks, so passes of different sizes round
             differently), or off where this llama.cpp build has no such switch (or runs on a GPU);
             llama.cpp's own choice without ``exact``. True with ``exact`` where there is no switch:
@@ -210,13 +210,13 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> tuple[A
 
     Returns:
         ``(ctx, kernels)``: the context, and in exact mode with flash attention on its CPU
-        backend's reference-kernel switch (:mod:`specdecode.models.llamacpp_kernels`), to be set
+        backend's reference-kernel switch (:mod:`specdecode.models.llamacpp.kernels`), to be set
         before every pass (:func:`decode_batch` does); else None.
 
     Raises:
         ValueError: llama.cpp cannot create the context.
     """
-    from specdecode.models.llamacpp_kernels import reference_kernels
+    from specdecode.models.llamacpp.kernels import reference_kernels
 
     options = model.options
     flash = options.flash_attn if options.flash_attn is not None else (True if options.exact else None)
@@ -300,7 +300,7 @@ def free_context(owner: Any) -> None:
 class LlamaCppRunner:
     """One sequence on a :class:`LlamaCppModel` (batch 1), its KV cache rolled back by truncation.
 
-    The runner contract of :class:`~specdecode.models.runner.ModelRunner`: the cache holds the
+    The runner contract of :class:`~specdecode.models.torch.runner.ModelRunner`: the cache holds the
     first :attr:`length` tokens; :meth:`forward` appends, :meth:`truncate` drops the newest
     (``llama_memory_seq_rm``), never re-running a prefill.
 
@@ -310,7 +310,7 @@ class LlamaCppRunner:
 
     Attributes:
         reference_kernels: the context's reference-kernel switch in exact mode with flash attention
-            on (:mod:`specdecode.models.llamacpp_kernels`), else None.
+            on (:mod:`specdecode.models.llamacpp.kernels`), else None.
 
     Raises:
         ValueError: llama.cpp cannot create the context.
@@ -489,8 +489,8 @@ class LlamaCppRunner:
         greedy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append a token tree's nodes and score them, as
-        :meth:`specdecode.models.runner.ModelRunner.forward_masked` (the same arguments and
-        results), walked depth-first on the one sequence (:mod:`specdecode.models.llamacpp_tree`):
+        :meth:`specdecode.models.torch.runner.ModelRunner.forward_masked` (the same arguments and
+        results), walked depth-first on the one sequence (:mod:`specdecode.models.llamacpp.tree`):
         each node's logits are bit-identical to decoding its branch token by token in exact mode.
 
         Args:
@@ -512,7 +512,7 @@ class LlamaCppRunner:
                 positions other than the depths, or a tree that does not fit in the context.
             RuntimeError: ``llama_decode`` failed.
         """
-        from specdecode.models.llamacpp_tree import TreeCache
+        from specdecode.models.llamacpp.tree import TreeCache
 
         M = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
         num_logits = M if num_logits is None else num_logits
@@ -567,7 +567,7 @@ class LlamaCppRunner:
     def _tree_decode(
         self, ids: list[int], start: int, scored: list[bool]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One pass of a tree walk (:class:`~specdecode.models.llamacpp_tree.TreeCache`): ``ids`` at
+        """One pass of a tree walk (:class:`~specdecode.models.llamacpp.tree.TreeCache`): ``ids`` at
         positions ``start ..``; logits of the scored ones, and all n hidden states ``[n, H]`` while
         embeddings are on (a pass with ``return_hidden``)."""
         hidden: list[torch.Tensor] | None = [] if self._embeddings else None
@@ -581,7 +581,7 @@ class LlamaCppRunner:
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the entries ``keep`` (ascending) and nothing after the first of them, as
-        :meth:`specdecode.models.runner.ModelRunner.compact`: after a tree pass, ``keep`` must be one
+        :meth:`specdecode.models.torch.runner.ModelRunner.compact`: after a tree pass, ``keep`` must be one
         root path of the tree (the accepted one); the cache then holds it in consecutive cells, as
         plain decoding would (rolled back to where it leaves the path the walk ended on, the rest
         decoded again without logits). Without a tree, ``keep`` must be consecutive entries.

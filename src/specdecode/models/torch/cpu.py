@@ -26,7 +26,7 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   time (about 6 GB for the float32 1.5B target), made on the first multi-token pass.
 
 :func:`auto_dtype` picks bfloat16 where it is native (or on a GPU) and float32 otherwise;
-:func:`specdecode.models.hf_loading.load_model` then routes the float32 model's large linears through
+:func:`specdecode.models.torch.hf_loading.load_model` then routes the float32 model's large linears through
 oneDNN. ``scripts/bench_cpu_paths.py`` measures all three paths on a machine.
 """
 
@@ -86,7 +86,7 @@ class _PackBudget:
 class _Packed:
     """Holds a layer's prepacked weight and the (storage, version) of the weight it was made from
     (``weight`` None with a key: its model's :class:`_PackBudget` declined packing). Copies
-    (``copy.deepcopy`` of a model, e.g. by :func:`specdecode.models.quant.quantize_int8`) start
+    (``copy.deepcopy`` of a model, e.g. by :func:`specdecode.models.torch.quant.quantize_int8`) start
     empty and repack on their first use: oneDNN tensors have no storage to copy."""
 
     __slots__ = ("budget", "key", "weight")

@@ -1,7 +1,7 @@
 """Many sequences in one llama.cpp context: the llamacpp backend's batched runner (the server's).
 
 :class:`LlamaCppBatchedRunner` has the interface of the torch backend's
-:class:`~specdecode.models.batch.BatchedRunner` (rows ``0 .. num_rows - 1``, ``add_row``,
+:class:`~specdecode.models.torch.batch.BatchedRunner` (rows ``0 .. num_rows - 1``, ``add_row``,
 ``remove_row``, ``truncate(row, n)``, ``forward(first, inputs, num_logits)``), over one llama.cpp
 context holding up to ``max_rows`` sequences. Each row is a llama.cpp sequence id with its own KV
 stream (``kv_unified`` off: a row's cells, and so its attention, never depend on another row's);
@@ -17,7 +17,7 @@ batches, each token tagged with its row's sequence id and position:
   decoded alone: greedy output equals each request decoded alone up to near-ties.
 - ``exact=True`` (the default, as for one sequence): every ``llama_decode`` carries at most
   :attr:`~specdecode.models.llamacpp.LlamaCppOptions.invariant_tokens` tokens in all, the passes
-  measured bit-identical to one-token passes (:mod:`specdecode.models.llamacpp`), so each row gets
+  measured bit-identical to one-token passes (:mod:`specdecode.models.llamacpp.model`), so each row gets
   the logits it would get alone and greedy output equals plain decoding by construction. A prefill
   (one scored position) goes alone, in ``n_batch`` chunks, as the single-sequence runner does.
 
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from specdecode.models.contract import RowTable, RunnerCapabilities
-from specdecode.models.llamacpp import LlamaCppModel, _lib, decode_batch, free_context, new_context
+from specdecode.models.llamacpp.model import LlamaCppModel, _lib, decode_batch, free_context, new_context
 
 
 def plan_passes(

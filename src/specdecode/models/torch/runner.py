@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from specdecode.models.compat import cache_kwargs
 from specdecode.models.contract import RunnerCapabilities
-from specdecode.models.cpu import use_onednn_linears
+from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.cpu import use_onednn_linears
 
 # Config attributes of models whose logits are not plain ``lm_head(hidden states)`` (soft-capping in
 # Gemma 2/3, ``logit_scale`` in Cohere, ``logits_scaling`` in Granite), with their neutral values:
@@ -66,7 +66,7 @@ def check_decoder_logits(model: PreTrainedModel, what: str) -> None:
 
 def share_plain_check(model: PreTrainedModel, copy: PreTrainedModel, what: str) -> None:
     """:func:`check_decoder_logits` on ``model``, counted as passed for ``copy`` too: a copy with
-    the same forward whose linear layers were quantized (:func:`specdecode.models.quant.quantize_int8`),
+    the same forward whose linear layers were quantized (:func:`specdecode.models.torch.quant.quantize_int8`),
     whose int8 head has no float ``weight`` to run the check with. Same errors."""
     check_decoder_logits(model, what)
     _PLAIN_OK[copy] = True
@@ -89,14 +89,14 @@ class ModelRunner:
     hidden states after the final norm) and multiplies by ``lm_head.weight[head_ids]``, a slice
     copied once here in the head's dtype into :attr:`head_module` (an ``nn.Linear`` ``H -> N``,
     which a caller may replace by an equivalent module, e.g. an int8 copy for a quantized draft:
-    :func:`specdecode.models.quant.int8_linear`); the model itself is not modified.
+    :func:`specdecode.models.torch.quant.int8_linear`); the model itself is not modified.
 
     Args:
         model: a ``transformers`` causal LM (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...).
         head_ids: int64 ``[N]`` distinct token ids in ``[0, vocab_size)``, or None (the full head).
         head_module: the reduced head itself (``H -> N``, the rows ``head_ids`` of the model's
             head), made by the caller, e.g. rows of an int8 head
-            (:func:`specdecode.models.quant.int8_rows`); None copies the rows here.
+            (:func:`specdecode.models.torch.quant.int8_rows`); None copies the rows here.
 
     Raises:
         ValueError: bad ``head_ids``, ``head_module`` without ``head_ids``, or a model whose
@@ -383,7 +383,7 @@ class ModelRunner:
     def share_masking_check(self, copy: PreTrainedModel) -> None:
         """Run :meth:`check_masking` on this runner's model and, if it passes, count it as passed
         for ``copy`` too: a copy with the same attention code whose linear layers were quantized
-        (:func:`specdecode.models.quant.quantize_int8`). Its own check could not be read within
+        (:func:`specdecode.models.torch.quant.quantize_int8`). Its own check could not be read within
         rounding: dynamic int8 scales each call's activations as a whole, so the rows of a tree pass
         shift each other's numbers a little. Fails silently; the copy is then checked on first use.
         """
