@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.models.llamacpp.model import build as build
-from specdecode.models.llamacpp.model import check as check
+from specdecode.models.llamacpp import build, check
 
 AMD = {"model": "AMD EPYC", "flags": ["avx2", "avx512f"], "machine": "x86_64"}
 INTEL_AMX = {"model": "Intel Xeon", "flags": ["avx2", "avx512f", "amx_tile", "amx_int8"], "machine": "x86_64"}
