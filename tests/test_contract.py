@@ -149,7 +149,7 @@ def test_both_batched_runners_keep_their_rows_in_a_row_table(tiny_target) -> Non
     assert batched.lengths == [3, 1, 2]
     batched.truncate(0, 1)
     assert batched.remove_row(0) == 2 and batched.lengths == [2, 1] and batched.num_rows == 2
-    assert "self.lengths.append" not in (SRC / "models" / "llamacpp_batch.py").read_text()
+    assert "self.lengths.append" not in (SRC / "models" / "llamacpp" / "batch.py").read_text()
 
 
 # ---------------------------------------------------------------------------------- no probes
