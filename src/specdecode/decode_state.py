@@ -185,11 +185,8 @@ class DecodeState:
         self.stats.target_forward_passes += 1
         self.stats.target_pass_widths.append(num_drafted + 1)
         self.stats.accepted_per_step.append(result.num_accepted)
-        widths = getattr(self.proposer, "pass_widths", None)  # a draft model's forwards since the last step
-        if widths:
-            self.stats.draft_pass_widths.extend(widths)
-            widths.clear()
         if self.proposer is not None:
+            self.stats.draft_pass_widths.extend(self.proposer.take_pass_widths())  # draft-model forwards
             if features is not None:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]
             self.proposer.observe(result)

@@ -37,11 +37,9 @@ def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cores() -> str:
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        usable = os.cpu_count() or 1
-    return f"{usable} usable of {os.cpu_count()}"
+    from specdecode.models.llamacpp.model import default_threads  # the cores this process may use
+
+    return f"{default_threads()} usable of {os.cpu_count()}"
 
 
 def machine_lines() -> list[str]:

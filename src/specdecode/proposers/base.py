@@ -121,6 +121,10 @@ class Proposer(Protocol):
     def clear_cache(self) -> None:
         """Forget state kept across requests (a no-op for most proposers)."""
 
+    def take_pass_widths(self) -> list[int]:
+        """Tokens per draft-model forward since the last call (then forgotten); [] for proposers
+        without a model (:attr:`specdecode.stats.SpecStats.draft_pass_widths`)."""
+
     def propose(
         self,
         context: torch.Tensor,
@@ -165,6 +169,10 @@ class ProposerBase:
     def clear_cache(self) -> None:
         """Nothing kept across requests."""
 
+    def take_pass_widths(self) -> list[int]:
+        """No draft model: no draft forwards."""
+        return []
+
     def observe(self, result: VerifyResult) -> None:
         """No feedback needed."""
 
@@ -185,7 +193,7 @@ def check_proposer(proposer: object) -> None:
             without a ``propose_tree`` method.
     """
     members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens", "quantization")
-    methods = ("reset", "clear_cache", "propose", "observe", "observe_features")
+    methods = ("reset", "clear_cache", "take_pass_widths", "propose", "observe", "observe_features")
     missing = [m for m in (*members, *methods) if not hasattr(proposer, m)]
     if missing:
         raise TypeError(

@@ -231,6 +231,11 @@ class DraftModelProposer(ProposerBase):
             self.pass_widths = []
         self.pass_widths.append(width)
 
+    def take_pass_widths(self) -> list[int]:
+        """Tokens per draft forward since the last call (then forgotten)."""
+        widths, self.pass_widths = getattr(self, "pass_widths", []), []
+        return widths
+
     def propose(
         self,
         context: torch.Tensor,

@@ -155,11 +155,9 @@ class LookupFirstProposer(ProposerBase):
         """The model proposer's (recorded as the ``draft_quantization`` statistic)."""
         return self.model.quantization
 
-    @property
-    def pass_widths(self) -> list[int] | None:
-        """The model proposer's draft forwards (tokens each) not yet read by the decode state, or None
-        when it records none (:attr:`specdecode.stats.SpecStats.draft_pass_widths`)."""
-        return getattr(self.model, "pass_widths", None)
+    def take_pass_widths(self) -> list[int]:
+        """The model proposer's draft forwards (tokens each) since the last call."""
+        return self.model.take_pass_widths()
 
     def clear_cache(self) -> None:
         self.model.clear_cache()
