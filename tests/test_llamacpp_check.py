@@ -56,6 +56,7 @@ def test_the_key_changes_with_cmake_args_cpu_compiler_and_flavour(monkeypatch: p
 
 
 def test_a_build_marked_failed_makes_auto_choose_portable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(build, "gpu_compute_capability", lambda: None)  # this machine's GPU, if any
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
     assert build.choose_flavour() == "native"
@@ -69,8 +70,9 @@ def test_a_build_marked_failed_makes_auto_choose_portable(tmp_path: Path, monkey
 def test_the_setup_installs_the_keyed_build_and_smoke_tests_it() -> None:
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
     assert "models/llamacpp/build.py install" in setup
-    assert "pip install -q \"llama-cpp-python" not in setup  # no unkeyed install from pip's cache
-    assert setup.count("specdecode doctor --check") == 2  # native, then portable
+    assert 'pip install -q "llama-cpp-python' not in setup  # no unkeyed install from pip's cache
+    assert setup.count("specdecode doctor --check") == 1  # in a loop: cuda, native, portable
+    assert "build.py mark-failed" in setup and "build.py flavour" in setup
 
 
 # ------------------------------------------------------------------ the smoke test
@@ -170,3 +172,117 @@ def test_a_later_setup_keeps_the_cmake_args_of_the_installed_build(tmp_path: Pat
     assert build.build_spec("native")["cmake_args"][0] == "-DGGML_CUDA=on"
     monkeypatch.setenv("CMAKE_ARGS", "")
     assert "-DGGML_CUDA=on" not in build.build_spec("native")["cmake_args"]
+
+
+# ------------------------------------------------------------------ the CUDA flavour
+def _machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nvcc: bool, gpu: str | None) -> None:
+    """A machine with or without nvcc and an NVIDIA GPU (``gpu``: nvidia-smi's compute_cap output)."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    monkeypatch.delenv(build.CUDA_OPT_OUT, raising=False)
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))
+    monkeypatch.setattr(build, "compiler_version", lambda: "g++ 13.3")
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/bin/nvcc" if nvcc else None)
+    monkeypatch.setattr(build, "nvcc_version", lambda nvcc=None: "cuda_13.0")
+
+    class Smi:
+        returncode, stdout = (0, gpu) if gpu is not None else (9, "")
+
+    def fake_run(args: list[str], **kwargs: object) -> Smi:
+        if args[0] != "nvidia-smi":
+            raise AssertionError(args)
+        if gpu is None:
+            raise FileNotFoundError("nvidia-smi")
+        return Smi()
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+
+
+def test_nvcc_without_a_gpu_builds_for_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu=None)
+    assert build.gpu_compute_capability() is None
+    arch, why = build.cuda_target()
+    assert arch is None and "no NVIDIA GPU" in why
+    assert build.choose_flavour() == "native"
+    _machine(monkeypatch, tmp_path, nvcc=False, gpu="9.0\n")
+    assert build.cuda_target()[0] is None and build.choose_flavour() == "native"
+
+
+def test_nvcc_and_a_gpu_build_cuda_for_that_architecture_under_another_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="9.0\n")
+    assert build.gpu_compute_capability() == "90"
+    assert build.choose_flavour() == "cuda"
+    spec = build.build_spec("cuda")
+    native = build.build_spec("native")
+    assert spec["cuda_arch"] == "90" and spec["backend"] == "cuda" and "backend" not in native
+    for arg in ("-DGGML_CUDA=on", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_CUDA_FA=OFF"):
+        assert arg in spec["cmake_args"] and arg not in native["cmake_args"]
+    assert [a for a in spec["cmake_args"] if "CUDA" not in a] == native["cmake_args"]  # the CPU's, plus CUDA
+    assert build.build_key(spec) != build.build_key(native)
+    assert build.build_key(build.build_spec("cuda", cuda_arch="89")) != build.build_key(spec)
+    assert build.build_backend({**spec, "key": "k"}) == "cuda" and build.build_backend(native) == "cpu"
+    assert build.build_backend({"cmake_args": ["-DGGML_CUDA=ON"]}) == "cuda"  # a user's CUDA build
+    assert build.build_backend(None) == "unknown"
+    # two cards of different architectures: both; none parsable: no GPU
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="8.9\n9.0\n8.9\n")
+    assert build.gpu_compute_capability() == "89;90"
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="No devices were found\n")
+    assert build.gpu_compute_capability() is None and build.choose_flavour() == "native"
+    with pytest.raises(ValueError, match="NVIDIA GPU"):
+        build.build_spec("cuda")
+
+
+def test_the_users_cmake_args_and_the_opt_out_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="9.0")
+    monkeypatch.setenv(build.CUDA_OPT_OUT, "0")
+    assert build.choose_flavour() == "native"
+    monkeypatch.delenv(build.CUDA_OPT_OUT)
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=off")
+    assert build.choose_flavour() == "native"  # the user decides about CUDA
+    args = build.cmake_args("cuda", "-DCMAKE_CUDA_ARCHITECTURES=90a", AMD, "90")
+    assert args[0] == "-DCMAKE_CUDA_ARCHITECTURES=90a" and "-DCMAKE_CUDA_ARCHITECTURES=90" not in args
+    assert "-DGGML_CUDA=on" in args
+    with pytest.raises(ValueError):
+        build.cuda_cmake_args("9.0")
+
+
+def test_a_cuda_build_that_fails_to_compile_falls_back_to_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="9.0")
+    built: list[str] = []
+
+    def fake_build(spec: dict, key: str) -> Path:
+        built.append(spec["flavour"])
+        if spec["flavour"] == "cuda":
+            raise build.subprocess.CalledProcessError(1, ["pip", "wheel"])
+        folder = build.build_folder(key)
+        folder.mkdir(parents=True)
+        wheel = folder / "llama_cpp_python-0.3.36-cp312-cp312-linux_x86_64.whl"
+        wheel.write_bytes(b"")
+        return wheel
+
+    monkeypatch.setattr(build, "_build_wheel", fake_build)
+    monkeypatch.setattr(build, "_pip", lambda *args, env=None: None)
+    record = build.install()
+    assert built == ["cuda", "native"] and record["flavour"] == "native"
+    assert "FAILED to compile" in capsys.readouterr().err
+    assert build.choose_flavour() == "native"  # marked: not tried again
+    assert build.installed_record()["key"] == record["key"]
+    with pytest.raises(build.subprocess.CalledProcessError):  # asked for by name: no fallback
+        build.install("cuda", force=True)
+
+
+def test_a_cuda_build_that_fails_its_smoke_test_is_skipped_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/setup.sh: smoke test fails -> ``mark-failed`` (the installed cuda build) -> ``install``."""
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="9.0")
+    spec = build.build_spec("cuda")
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({**spec, "key": build.build_key(spec)}))
+    assert build.choose_flavour() == "cuda"
+    assert build.mark_failed() == build.build_key(spec)
+    assert build.choose_flavour() == "native"

@@ -15,9 +15,20 @@ went wrong with a plain ``pip install``:
   arguments, the CPU (model and flags), the machine, the compiler and the Python ABI
   (:func:`build_key`); another machine or backend gets another key and builds anew.
 
-If the native build fails its smoke test (:mod:`specdecode.models.llamacpp.check`), the set-up
-builds the ``portable`` flavour: ``GGML_NATIVE=OFF`` with the instruction sets llama.cpp's own
-release builds use (AVX2, FMA, F16C on x86-64 CPUs that have them), AMX off.
+Flavours, tried in this order by ``install`` (``--flavour auto``, :func:`choose_flavour`):
+
+- ``cuda``, where BOTH a CUDA compiler is found (``nvcc``: :func:`find_nvcc`) AND an NVIDIA GPU
+  answers ``nvidia-smi`` with its compute capability (:func:`gpu_compute_capability`; a machine
+  with the CUDA toolkit but no GPU builds for its CPU): the native flavour's arguments plus
+  :func:`cuda_cmake_args` (CUDA on, for the card's architecture only, which keeps the build short;
+  flash-attention kernels not compiled: specdecode runs llama.cpp on a GPU with flash attention
+  off). ``SPECDECODE_LLAMA_CUDA=0`` opts out; a user's ``CMAKE_ARGS`` naming ``GGML_CUDA`` decide
+  by themselves. A CUDA build that fails to compile, or whose smoke test fails, is marked failed
+  and the next flavour is built (``native``), with a message: never a dead set-up.
+- ``native``: ``-march=native``, AMX off (above).
+- ``portable``, if the native build fails its smoke test (:mod:`specdecode.models.llamacpp.check`):
+  ``GGML_NATIVE=OFF`` with the instruction sets llama.cpp's own release builds use (AVX2, FMA,
+  F16C on x86-64 CPUs that have them), AMX off.
 
 Standard library only: ``scripts/setup.sh`` runs this file with the virtualenv's Python before
 specdecode is installed (``python src/specdecode/models/llamacpp/build.py install``), and
@@ -31,6 +42,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -52,7 +64,17 @@ PORTABLE_X86 = (
 )  # fmt: skip
 """The ``portable`` flavour on an x86-64 CPU with AVX2 (x86-64-v3, as llama.cpp's ``haswell`` variant)."""
 
-FLAVOURS = ("native", "portable")
+FLAVOURS = ("cuda", "native", "portable")
+"""In the order ``install --flavour auto`` tries them (a failed one is skipped on this machine)."""
+
+CUDA_FLAGS = ("-DGGML_CUDA=on", "-DGGML_CUDA_FA=OFF")
+"""CUDA on, its flash-attention kernels not compiled (``GGML_CUDA_FA``, llama.cpp's CMake option;
+specdecode runs llama.cpp on a GPU with flash attention off, ``LlamaCppOptions.flash_attn``): a
+shorter build. With :func:`cuda_cmake_args` the only definition of a CUDA build's arguments
+(``scripts/gpu_check.py`` uses it too)."""
+
+CUDA_OPT_OUT = "SPECDECODE_LLAMA_CUDA"
+"""``SPECDECODE_LLAMA_CUDA=0`` (or ``false``, ``no``, ``off``): never build the ``cuda`` flavour."""
 
 FAILED_MARK = "FAILED"
 """A file in a build's folder: that build failed its smoke test on this machine (``mark-failed``);
@@ -121,19 +143,48 @@ def _add_compiler_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def cmake_args(flavour: str = "native", user: str | None = None, cpu: dict[str, Any] | None = None) -> list[str]:
-    """The CMake arguments of a build: the user's ``CMAKE_ARGS`` (``user``; default from the
-    environment) first, then :data:`BASE_CMAKE_ARGS`, then the flavour's flags. On x86-64 with GCC
-    or Clang, AMX is kept out (:data:`NO_AMX_FLAGS`) unless the user names a ``GGML_AMX`` setting.
+def _defined(args: list[str]) -> set[str]:
+    """The CMake variables ``args`` set (``-DNAME=value`` or ``-DNAME:TYPE=value``)."""
+    return {a[2:].split("=", 1)[0].split(":", 1)[0] for a in args if a.startswith("-D") and "=" in a}
+
+
+def cuda_cmake_args(arch: str) -> list[str]:
+    """The CMake arguments that make a build a CUDA one: :data:`CUDA_FLAGS` and
+    ``-DCMAKE_CUDA_ARCHITECTURES=<arch>``.
+
+    Args:
+        arch: CMake's CUDA architectures, e.g. ``"90"`` (an H100), or several joined by ``;``.
 
     Raises:
-        ValueError: ``flavour`` is not one of :data:`FLAVOURS`.
+        ValueError: ``arch`` is not digits (with an optional ``a``/``f`` suffix), ``;``-separated.
+    """
+    if not re.fullmatch(r"\d+[af]?(;\d+[af]?)*", arch):
+        raise ValueError(f"a CUDA architecture is digits such as '90' (';' between several), got {arch!r}")
+    return [CUDA_FLAGS[0], f"-DCMAKE_CUDA_ARCHITECTURES={arch}", *CUDA_FLAGS[1:]]
+
+
+def cmake_args(
+    flavour: str = "native", user: str | None = None, cpu: dict[str, Any] | None = None, cuda_arch: str | None = None
+) -> list[str]:
+    """The CMake arguments of a build: the user's ``CMAKE_ARGS`` (``user``; default from the
+    environment) first, then :data:`BASE_CMAKE_ARGS`, then the flavour's flags (``cuda``: the
+    native flavour's and :func:`cuda_cmake_args` of ``cuda_arch``, less any variable the user set).
+    On x86-64 with GCC or Clang, AMX is kept out (:data:`NO_AMX_FLAGS`) unless the user names a
+    ``GGML_AMX`` setting.
+
+    Raises:
+        ValueError: ``flavour`` is not one of :data:`FLAVOURS`, or ``cuda`` without ``cuda_arch``.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {list(FLAVOURS)}, got {flavour!r}")
+    if flavour == "cuda" and not cuda_arch:
+        raise ValueError("the cuda flavour needs a CUDA architecture (e.g. '90'): no NVIDIA GPU was found")
     cpu = cpu or cpu_info()
     args = shlex.split(os.environ.get("CMAKE_ARGS", "") if user is None else user)
     args += [a for a in BASE_CMAKE_ARGS if a not in args]
+    if flavour == "cuda":
+        user_vars = _defined(args)
+        args += [a for a in cuda_cmake_args(str(cuda_arch)) if _defined([a]).isdisjoint(user_vars)]
     x86 = cpu["machine"].lower() in ("x86_64", "amd64", "i686", "x86")
     if flavour == "portable":
         if x86 and "avx2" in cpu["flags"]:
@@ -153,16 +204,85 @@ def user_cmake_args() -> str:
     return str((installed_record() or {}).get("user_cmake_args", ""))
 
 
-def build_spec(flavour: str = "native", user: str | None = None) -> dict[str, Any]:
+def find_nvcc() -> str | None:
+    """The CUDA compiler CMake would use: ``$CUDACXX``, else ``nvcc`` on the ``PATH``, else
+    ``$CUDA_HOME``/``$CUDA_PATH``/``/usr/local/cuda``'s ``bin/nvcc``; None if there is none."""
+    candidates = [os.environ.get("CUDACXX"), shutil.which("nvcc")]
+    candidates += [
+        os.path.join(root, "bin", "nvcc")
+        for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")
+        if root
+    ]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def nvcc_version(nvcc: str | None = None) -> str:
+    """The last line of ``nvcc --version`` (e.g. ``"Build cuda_13.0.r13.0/compiler..."``), or ``"unknown"``."""
+    nvcc = nvcc or find_nvcc()
+    if not nvcc:
+        return "unknown"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown"
+
+
+def gpu_compute_capability() -> str | None:
+    """The NVIDIA GPUs' compute capability as CMake's CUDA architecture (``"9.0"`` -> ``"90"``;
+    distinct ones joined by ``;``), from ``nvidia-smi --query-gpu=compute_cap --format=csv,noheader``;
+    None when ``nvidia-smi`` is missing, fails or prints no capability (no GPU, no driver)."""
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    caps = [m.group(1) + m.group(2) for m in re.finditer(r"^\s*(\d+)\.(\d)\s*$", proc.stdout, re.MULTILINE)]
+    return ";".join(sorted(set(caps), key=int)) or None
+
+
+def cuda_target() -> tuple[str | None, str]:
+    """Whether ``install --flavour auto`` builds the ``cuda`` flavour here: ``(arch, why)``, ``arch``
+    the GPU's architecture (:func:`gpu_compute_capability`) or None, ``why`` in words. None when
+    :data:`CUDA_OPT_OUT` says no, the user's ``CMAKE_ARGS`` name ``GGML_CUDA`` (they decide), no
+    ``nvcc`` is found or no NVIDIA GPU answers (``nvcc`` alone is not enough: a toolkit without a GPU)."""
+    if os.environ.get(CUDA_OPT_OUT, "").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"{CUDA_OPT_OUT}={os.environ[CUDA_OPT_OUT]}"
+    if "GGML_CUDA" in user_cmake_args():
+        return None, "the user's CMAKE_ARGS set GGML_CUDA"
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None, "no CUDA compiler (nvcc) found"
+    arch = gpu_compute_capability()
+    if arch is None:
+        return None, f"{nvcc} found but no NVIDIA GPU (nvidia-smi reports no compute capability)"
+    return arch, f"{nvcc} and an NVIDIA GPU of compute capability {arch}"
+
+
+def build_spec(flavour: str = "native", user: str | None = None, cuda_arch: str | None = None) -> dict[str, Any]:
     """Everything a build depends on: version, flavour, CMake arguments (``user``: the user's,
-    default :func:`user_cmake_args`), CPU, compiler, Python."""
+    default :func:`user_cmake_args`), CPU, compiler, Python; for ``cuda`` also the architecture
+    (``cuda_arch``, default :func:`gpu_compute_capability`) and the CUDA compiler's version.
+
+    Raises:
+        ValueError: ``cuda`` and no architecture (no NVIDIA GPU found).
+    """
     cpu = cpu_info()
     user = user_cmake_args() if user is None else user
-    return {
+    if flavour == "cuda" and cuda_arch is None:
+        cuda_arch = gpu_compute_capability()
+    spec = {
         "llama_cpp_python": LLAMA_CPP_PYTHON,
         "flavour": flavour,
         "user_cmake_args": user,
-        "cmake_args": cmake_args(flavour, user, cpu),
+        "cmake_args": cmake_args(flavour, user, cpu, cuda_arch),
         "cpu_model": cpu["model"],
         "cpu_flags": cpu["flags"],
         "machine": cpu["machine"],
@@ -170,6 +290,21 @@ def build_spec(flavour: str = "native", user: str | None = None) -> dict[str, An
         "python": f"{sys.implementation.name}{sys.version_info[0]}{sys.version_info[1]}",
         "platform": sys.platform,
     }
+    if flavour == "cuda":  # only here: a CPU build's key stays what it was
+        spec.update(backend="cuda", cuda_arch=cuda_arch, nvcc=nvcc_version())
+    return spec
+
+
+def build_backend(record: dict[str, Any] | None) -> str:
+    """What a build record's llama.cpp runs on: ``"cuda"`` (the ``cuda`` flavour, or CMake
+    arguments with ``GGML_CUDA`` on), ``"cpu"``, or ``"unknown"`` for no record."""
+    if record is None:
+        return "unknown"
+    if record.get("backend") == "cuda":
+        return "cuda"
+    on = ("ON", "1", "TRUE", "YES", "Y")
+    cuda = [a.split("=", 1)[1] for a in record.get("cmake_args", []) if re.match(r"-DGGML_CUDA(:BOOL)?=", a)]
+    return "cuda" if cuda and cuda[-1].upper() in on else "cpu"
 
 
 def build_key(spec: dict[str, Any]) -> str:
@@ -195,20 +330,42 @@ def build_folder(key: str) -> Path:
     return cache_root() / "llama-cpp-builds" / key
 
 
-def choose_flavour() -> str:
-    """``native``, unless this machine's native build was marked failed (then ``portable``)."""
-    return "portable" if (build_folder(build_key(build_spec("native"))) / FAILED_MARK).exists() else "native"
+def failed_here(spec: dict[str, Any]) -> bool:
+    """Whether the build of ``spec`` was marked failed on this machine (:data:`FAILED_MARK`)."""
+    return (build_folder(build_key(spec)) / FAILED_MARK).exists()
 
 
-def mark_failed() -> str | None:
-    """Mark the installed build as failed on this machine; returns its key (None: no record)."""
-    record = installed_record()
-    if record is None or not record.get("key"):
-        return None
-    folder = build_folder(str(record["key"]))
+def choose_flavour(verbose: bool = False) -> str:
+    """The first flavour of :data:`FLAVOURS` for this machine not marked failed here: ``cuda``
+    where :func:`cuda_target` finds nvcc and a GPU, then ``native``, else ``portable``.
+    ``verbose``: say why the CUDA build is or is not made."""
+    arch, why = cuda_target()
+    if arch is not None:
+        if not failed_here(build_spec("cuda", cuda_arch=arch)):
+            if verbose:
+                print(f"llama.cpp: CUDA build ({why})", flush=True)
+            return "cuda"
+        if verbose:
+            print(f"llama.cpp: the CUDA build failed on this machine before; building for the CPU ({why})", flush=True)
+    elif verbose and "nvcc" in why:
+        print(f"llama.cpp: building for the CPU: {why}", flush=True)
+    return "portable" if failed_here(build_spec("native")) else "native"
+
+
+def mark_failed(
+    key: str | None = None, why: str = "failed its smoke test on this machine (scripts/setup.sh)"
+) -> str | None:
+    """Mark build ``key`` (default: the installed one) as failed on this machine; returns the key
+    (None: no record)."""
+    if key is None:
+        record = installed_record()
+        if record is None or not record.get("key"):
+            return None
+        key = str(record["key"])
+    folder = build_folder(key)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / FAILED_MARK).write_text("failed its smoke test on this machine (scripts/setup.sh)\n")
-    return str(record["key"])
+    (folder / FAILED_MARK).write_text(why + "\n")
+    return key
 
 
 def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
@@ -217,10 +374,16 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
     the same key from the cache; else build one (pip's cache off) into ``<cache>/llama-cpp-builds/<key>/``. Returns the
     record (the spec plus ``key`` and ``wheel``).
 
+    A ``cuda`` build chosen by ``auto`` that fails to compile is marked failed here and the CPU
+    build is made instead, with a message (its smoke test is the set-up's, after this).
+
     Raises:
-        subprocess.CalledProcessError: pip failed (the compiler's output is above it).
+        subprocess.CalledProcessError: pip failed (the compiler's output is above it), for a CPU
+            flavour or an explicitly asked-for ``cuda``.
+        ValueError: ``cuda`` asked for on a machine without an NVIDIA GPU.
     """
-    flavour = choose_flavour() if flavour == "auto" else flavour
+    auto = flavour == "auto"
+    flavour = choose_flavour(verbose=True) if auto else flavour
     spec = build_spec(flavour)
     key = build_key(spec)
     record = installed_record()
@@ -230,18 +393,20 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
     folder = build_folder(key)
     wheels = sorted(folder.glob("llama_cpp_python-*.whl")) if folder.exists() else []
     if not wheels:
-        print(f"llama.cpp: building llama-cpp-python {LLAMA_CPP_PYTHON} ({flavour}, key {key}), "
-              f"CMAKE_ARGS: {' '.join(spec['cmake_args'])} (a few minutes)", flush=True)
-        tmp = folder.with_name(key + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        env = {**os.environ, "CMAKE_ARGS": " ".join(shlex.quote(a) for a in spec["cmake_args"])}
-        _pip("wheel", "-q", "--no-deps", "--no-cache-dir", "--no-binary", "llama-cpp-python",
-             "-w", str(tmp), f"llama-cpp-python=={LLAMA_CPP_PYTHON}", env=env)
-        (tmp / "build.json").write_text(json.dumps({**spec, "key": key}, indent=1))
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        wheels = sorted(folder.glob("llama_cpp_python-*.whl"))
+        try:
+            wheels = [_build_wheel(spec, key)]
+        except subprocess.CalledProcessError as error:
+            if not (auto and flavour == "cuda"):
+                raise
+            mark_failed(key, f"the CUDA build failed to compile on this machine ({error})")
+            print(
+                f"llama.cpp: the CUDA build ({key}) FAILED to compile (its output is above); building for the "
+                f"CPU instead. Set {CUDA_OPT_OUT}=0 to skip the CUDA build; remove "
+                f"{folder} to try it again.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return install("auto", force)
     else:
         print(f"llama.cpp: installing the cached build {key} ({flavour})", flush=True)
     _pip("install", "-q", "--force-reinstall", "--no-deps", str(wheels[-1]))
@@ -249,6 +414,48 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
     record = {**spec, "key": key, "wheel": str(wheels[-1])}
     (Path(sys.prefix) / RECORD_NAME).write_text(json.dumps(record, indent=1))
     return record
+
+
+def _build_wheel(spec: dict[str, Any], key: str) -> Path:
+    """Build the wheel of ``spec`` into ``build_folder(key)`` (pip's cache off; a CUDA build gets
+    ``CUDACXX`` where ``nvcc`` is not on the ``PATH``); returns its path.
+
+    Raises:
+        subprocess.CalledProcessError: pip failed.
+    """
+    flavour = spec["flavour"]
+    print(
+        f"llama.cpp: building llama-cpp-python {LLAMA_CPP_PYTHON} ({flavour}, key {key}), "
+        f"CMAKE_ARGS: {' '.join(spec['cmake_args'])} (a few minutes{'; CUDA: longer' if flavour == 'cuda' else ''})",
+        flush=True,
+    )
+    folder = build_folder(key)
+    tmp = folder.with_name(key + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    env = {**os.environ, "CMAKE_ARGS": " ".join(shlex.quote(a) for a in spec["cmake_args"])}
+    if flavour == "cuda" and "CUDACXX" not in env and (nvcc := find_nvcc()):
+        env["CUDACXX"] = nvcc
+    try:
+        _pip(
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-cache-dir",
+            "--no-binary",
+            "llama-cpp-python",
+            "-w",
+            str(tmp),
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+            env=env,
+        )
+    except subprocess.CalledProcessError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / "build.json").write_text(json.dumps({**spec, "key": key}, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return sorted(folder.glob("llama_cpp_python-*.whl"))[-1]
 
 
 def _importable() -> bool:
@@ -259,9 +466,10 @@ def _importable() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python models/llamacpp/build.py install|key|spec|mark-failed [--flavour F] [--force]``."""
+    """``python models/llamacpp/build.py install|key|spec|mark-failed|flavour [--flavour F] [--force]``
+    (``flavour``: the installed build's, or ``none``)."""
     parser = argparse.ArgumentParser(description="the keyed llama.cpp build of the set-up")
-    parser.add_argument("action", choices=["install", "key", "spec", "mark-failed"])
+    parser.add_argument("action", choices=["install", "key", "spec", "mark-failed", "flavour"])
     parser.add_argument("--flavour", choices=("auto", *FLAVOURS), default="auto")
     parser.add_argument("--force", action="store_true", help="install even if the record says it is there")
     args = parser.parse_args(argv)
@@ -269,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         install(args.flavour, args.force)
     elif args.action == "mark-failed":
         print(f"llama.cpp: build {mark_failed()} marked as failed on this machine")
+    elif args.action == "flavour":
+        print((installed_record() or {}).get("flavour") or "none")
     else:
         spec = build_spec(choose_flavour() if args.flavour == "auto" else args.flavour)
         print(build_key(spec) if args.action == "key" else json.dumps(spec, indent=1))
