@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from specdecode import GenerationResult, SamplingParams, SpeculativeGenerator
 from specdecode.drafters import DrafterConfig, build_drafter
+from specdecode.models.torch.static_runner import StaticCacheSettings, use_static_cache
 from specdecode.proposers import (
     CrossTokenizerProposer,
     DraftModelProposer,
@@ -63,9 +64,17 @@ def make_models(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
     }
 
 
-def place(models: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """Copies of the models on ``device`` (``Module.to``), tokenizers as they are."""
-    return {k: copy.deepcopy(v).to(device) if isinstance(v, PreTrainedModel) else v for k, v in models.items()}
+def place(
+    models: dict[str, Any], device: torch.device | str, static: StaticCacheSettings | None = None
+) -> dict[str, Any]:
+    """Copies of the models on ``device`` (``Module.to``), tokenizers as they are; with ``static``,
+    every model marked for a static KV cache (and CUDA graphs on a GPU: :func:`use_static_cache`)."""
+    placed = {k: copy.deepcopy(v).to(device) if isinstance(v, PreTrainedModel) else v for k, v in models.items()}
+    if static is not None:
+        for value in placed.values():
+            if isinstance(value, PreTrainedModel):
+                use_static_cache(value, static)
+    return placed
 
 
 def make_drafter(kind: str, target: PreTrainedModel, seed: int = 0) -> Any:

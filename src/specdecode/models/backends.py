@@ -171,12 +171,14 @@ def _is_llamacpp(model: Any) -> bool:
 def make_runner(model: Any) -> Runner:
     """The runner (:class:`~specdecode.models.contract.Runner`) of a loaded model: a llama.cpp
     model's own (:meth:`~specdecode.models.llamacpp.LlamaCppModel.make_runner`), else a
-    :class:`~specdecode.models.torch.runner.ModelRunner` over a ``transformers`` model."""
+    :class:`~specdecode.models.torch.runner.ModelRunner` over a ``transformers`` model (a
+    :class:`~specdecode.models.torch.static_runner.StaticCacheRunner`, static KV cache and CUDA graphs,
+    for a model :func:`~specdecode.models.torch.static_runner.use_static_cache` marked)."""
     if _is_llamacpp(model):
         return model.make_runner()
-    from specdecode.models.torch.runner import ModelRunner
+    from specdecode.models.torch.static_runner import torch_runner
 
-    return ModelRunner(model)
+    return torch_runner(model)
 
 
 def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = None) -> BatchedRunner:

@@ -17,7 +17,8 @@ from specdecode.models.torch.quant import (
     shared_int8_copy,
     shared_int8_head,
 )
-from specdecode.models.torch.runner import ModelRunner, share_plain_check
+from specdecode.models.torch.runner import share_plain_check
+from specdecode.models.torch.static_runner import torch_runner
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.hybrid import (
     check_prompt_lookup,
@@ -184,7 +185,7 @@ class DraftModelProposer(ProposerBase):
             if self.quantization == "int8" and head_ids is not None:
                 share_plain_check(source, model, "head_ids")  # the int8 head has no float weight to check with
                 head_module = shared_int8_head(source, head_ids)  # rows of the copy's int8 head
-            self.runner = ModelRunner(model, head_ids=head_ids, head_module=head_module)
+            self.runner = torch_runner(model, head_ids=head_ids, head_module=head_module)
         except ValueError as error:
             raise ValueError(f"token_map: {error}") from error  # only a reduced head raises here
 
