@@ -92,3 +92,61 @@ def test_the_llamacpp_server_refuses_proposers_that_read_features_naming_both() 
     for name in ("eagle", "medusa"):
         with pytest.raises(ValueError, match=f"--proposer {name}: the llamacpp server's batched runner"):
             load_server_models(ModelSource(backend="llamacpp"), name)
+
+
+# ------------------------------------------------------------------ a CUDA build of llama.cpp
+@pytest.fixture
+def gpu_with_llamacpp(monkeypatch, tmp_path):
+    """A CUDA GPU, llama-cpp-python installed, a smoke test that passes (no child is started)."""
+    from specdecode.models.llamacpp import check
+
+    monkeypatch.setattr(backends.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "llamacpp_available", lambda: True)
+    monkeypatch.setattr(check, "check_llamacpp", lambda gguf, fresh=False: check.CheckResult(True, "", False))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    return gguf
+
+
+def test_auto_runs_a_gguf_on_llamacpp_on_a_gpu_where_the_build_offloads(gpu_with_llamacpp, monkeypatch, tmp_path):
+    monkeypatch.setattr(backends, "llamacpp_gpu_offload", lambda: True)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    chosen, reason = backends.explain_backend("auto", gpu_with_llamacpp)
+    assert chosen == "llamacpp" and "CUDA GPU" in reason and "every layer on the GPU" in reason
+    assert resolve_backend("auto", folder) == "torch"  # a Hugging Face folder still runs on torch
+    assert resolve_backend("auto", gpu_with_llamacpp, "bfloat16") == "torch"  # a torch dtype asks for torch
+    from specdecode.models.llamacpp.model import LlamaCppOptions
+
+    assert LlamaCppOptions().gpu_layers == -1  # every layer offloaded (999 where the build offloads)
+
+
+def test_auto_keeps_torch_on_a_gpu_with_a_cpu_build(gpu_with_llamacpp, monkeypatch):
+    monkeypatch.setattr(backends, "llamacpp_gpu_offload", lambda: False)
+    chosen, reason = backends.explain_backend("auto", gpu_with_llamacpp)
+    assert chosen == "torch" and "CPU-only" in reason
+    assert resolve_backend("auto") == "torch"
+
+
+def test_gpu_offload_reads_the_record_before_loading_the_library(monkeypatch, tmp_path):
+    from specdecode.models.llamacpp import build, model
+
+    class Lib:
+        @staticmethod
+        def llama_supports_gpu_offload() -> bool:
+            return True
+
+    def no_library():
+        raise AssertionError("a CPU build's record: the library is not loaded")
+
+    monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
+    (tmp_path / build.RECORD_NAME).write_text('{"flavour": "native", "cmake_args": ["-DGGML_LLAMAFILE=OFF"]}')
+    monkeypatch.setattr(model, "_lib", no_library)
+    assert backends.llamacpp_gpu_offload() is False
+    (tmp_path / build.RECORD_NAME).write_text('{"flavour": "cuda", "backend": "cuda", "cmake_args": []}')
+    monkeypatch.setattr(model, "_lib", lambda: Lib)
+    assert backends.llamacpp_gpu_offload() is True
+    (tmp_path / build.RECORD_NAME).unlink()  # a build the set-up did not make: the library says
+    assert backends.llamacpp_gpu_offload() is True
+    monkeypatch.setattr(model, "_lib", lambda: (_ for _ in ()).throw(OSError("no libllama.so")))
+    assert backends.llamacpp_gpu_offload() is False

@@ -286,3 +286,24 @@ def test_a_cuda_build_that_fails_its_smoke_test_is_skipped_next_time(
     assert build.choose_flavour() == "cuda"
     assert build.mark_failed() == build.build_key(spec)
     assert build.choose_flavour() == "native"
+
+
+def test_the_check_reports_gpu_offload_and_doctor_the_builds_backend(
+    fake_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code = f"print('system_info: CUDA : ARCHS = 900', flush=True); print('gpu_offload: 1'); print({check.OK_LINE!r})"
+    monkeypatch.setattr(check, "check_command", lambda gguf: [sys.executable, "-c", code])
+    result = check.run_check(fake_gguf)
+    assert result.ok and result.gpu_offload is True and "CUDA" in result.system_info
+    assert check.CheckResult(True, "").gpu_offload is None  # a cached result of an older check
+
+    from specdecode.commands import doctor
+
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu="9.0")
+    spec = build.build_spec("cuda")
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({**spec, "key": build.build_key(spec)}))
+    lines = doctor.build_lines()
+    assert "llama.cpp backend: cuda, CUDA architecture 90" in lines and "built for this machine" in lines[0]
+    _machine(monkeypatch, tmp_path, nvcc=True, gpu=None)  # the same record on a machine without a GPU
+    lines = doctor.build_lines()
+    assert "not for this machine" in lines[0] and "llama.cpp backend: cuda, CUDA architecture 90" in lines

@@ -69,7 +69,7 @@ def build_lines() -> list[str]:
     whether that key is this machine's."""
     import importlib.metadata
 
-    from specdecode.models.llamacpp.build import build_key, build_spec, installed_record
+    from specdecode.models.llamacpp.build import build_backend, build_key, build_spec, installed_record
 
     try:
         version = importlib.metadata.version("llama-cpp-python")
@@ -78,12 +78,18 @@ def build_lines() -> list[str]:
     record = installed_record()
     if record is None:
         return [f"llama.cpp: llama-cpp-python {version}, not built by scripts/setup.sh (no record in {sys.prefix})"]
-    here = build_key(build_spec(record.get("flavour", "native")))
-    same = "built for this machine" if record.get("key") == here else f"built elsewhere: this machine's key is {here}"
+    backend = build_backend(record)
+    try:  # a cuda build: for this machine's GPU
+        here = build_key(build_spec(record.get("flavour", "native")))
+        same = "built for this machine" if record.get("key") == here else f"built elsewhere: this machine's is {here}"
+    except ValueError as error:  # a cuda record on a machine without a GPU
+        same = f"not for this machine: {error}"
+    arch = f", CUDA architecture {record['cuda_arch']}" if record.get("cuda_arch") else ""
     return [
         f"llama.cpp: llama-cpp-python {version}, {record.get('flavour')} build {record.get('key')} ({same})",
+        f"llama.cpp backend: {backend}{arch}",
         f"llama.cpp CMAKE_ARGS: {' '.join(record.get('cmake_args', []))}",
-        f"llama.cpp built with: {record.get('compiler')}",
+        f"llama.cpp built with: {record.get('compiler')}" + (f", {record['nvcc']}" if record.get("nvcc") else ""),
     ]
 
 
@@ -103,6 +109,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"llama.cpp smoke test on {Path(gguf).name}: {verdict} ({when})")
         if result.system_info:
             print(f"llama.cpp system info: {result.system_info}")
+        if result.gpu_offload is not None:
+            print(f"llama.cpp GPU offload: {'yes: every layer on the GPU' if result.gpu_offload else 'no (CPU)'}")
         if not result.ok:
             print(failure_message(result, gguf))
             print("its last output:\n" + result.output_tail.rstrip())

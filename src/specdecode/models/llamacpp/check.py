@@ -56,6 +56,8 @@ class CheckResult:
         crashed: the child died (a signal) or hung: the build is unusable here. A child that
             failed with a Python exception (a file llama.cpp cannot load, say) is not a crash:
             loading the file in the user's process raises the same error, as an exception.
+        gpu_offload: ``llama_supports_gpu_offload()`` in the child (a CUDA build: the check ran with
+            every layer on the GPU); None when the child did not get that far.
     """
 
     ok: bool
@@ -65,6 +67,7 @@ class CheckResult:
     output_tail: str = ""
     seconds: float = 0.0
     cached: bool = False
+    gpu_offload: bool | None = None
 
 
 def native_libraries() -> list[Path]:
@@ -79,6 +82,7 @@ def native_libraries() -> list[Path]:
 def check_key(gguf: Path) -> str:
     """The cache key of a check of ``gguf``: the build (its libraries' names, sizes and times, the
     set-up's record), the CPU and the file."""
+
     def stamp(path: Path) -> list[Any]:
         st = path.stat()
         return [str(path), st.st_size, st.st_mtime_ns]
@@ -126,20 +130,22 @@ def run_check(gguf: Path, timeout: float = CHECK_TIMEOUT_S) -> CheckResult:
     except OSError as error:
         return CheckResult(False, f"could not start the check: {error}", True, "", "", time.perf_counter() - tic)
     output = proc.stdout + proc.stderr
-    phase, info = "starting", ""
+    phase, info, offload = "starting", "", None
     for line in proc.stdout.splitlines():
         if line.startswith("phase: "):
             phase = line[len("phase: ") :]
         elif line.startswith("system_info: "):
             info = line[len("system_info: ") :]
+        elif line.startswith("gpu_offload: "):
+            offload = line[len("gpu_offload: ") :].strip() == "1"
     seconds = time.perf_counter() - tic
     if proc.returncode == 0 and OK_LINE in proc.stdout:
-        return CheckResult(True, "", False, info, output[-2000:], seconds)
+        return CheckResult(True, "", False, info, output[-2000:], seconds, gpu_offload=offload)
     reason = _describe_exit(proc.returncode, phase) if proc.returncode else f"no result while {phase}"
     last = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     if proc.returncode > 0 and last:
         reason += f": {last[-1].strip()}"
-    return CheckResult(False, reason, proc.returncode < 0, info, output[-2000:], seconds)
+    return CheckResult(False, reason, proc.returncode < 0, info, output[-2000:], seconds, gpu_offload=offload)
 
 
 def check_llamacpp(gguf: str | Path, fresh: bool = False) -> CheckResult:
@@ -210,6 +216,7 @@ def _child(gguf: str) -> int:
     phase("loading llama.cpp")
     info = _lib().llama_print_system_info().decode(errors="replace").strip()
     print(f"system_info: {info}", flush=True)
+    print(f"gpu_offload: {int(bool(_lib().llama_supports_gpu_offload()))}", flush=True)  # every layer, if 1
     phase("loading the model")
     model = LlamaCppModel(gguf, LlamaCppOptions(n_ctx=64))
     runner = model.make_runner()
