@@ -49,14 +49,13 @@ TINY_TARGET_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_laye
                           num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)
 TINY_DRAFT_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=1000, tie_word_embeddings=True)
-# CMake arguments of the CUDA build: scripts/setup.sh's (LLAMAFILE off, AMX kernels out), CUDA for
-# Hopper only, flash-attention kernels not compiled (specdecode runs llama.cpp on a GPU with flash
-# attention off, LlamaCppOptions.flash_attn) and no tools, examples or tests: a shorter build.
-CUDA_CMAKE_ARGS = ("-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_LLAMAFILE=OFF "
-                   "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF "
-                   "-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF "
-                   "'-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
-                   "'-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'")
+# The llama.cpp build's CMake arguments are build.py's (scripts/setup.sh's: LLAMAFILE off, AMX kernels
+# out; the cuda flavour's CUDA on for this card's architecture only, flash-attention kernels not
+# compiled), plus no tools, examples, tests or server: a shorter build (llama_cmake_args).
+SLIM_CMAKE_ARGS = ("-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                   "-DLLAMA_BUILD_SERVER=OFF", "-DLLAVA_BUILD=OFF", "-DLLAMA_CURL=OFF")
+DEFAULT_CUDA_ARCH = "90"  # an H100, where nvidia-smi does not say
+IDENTITY_WIDTHS = tuple(range(1, 10))  # verification widths of the greedy-identity measurement
 # Packages the GPU machine lacks (scripts/gpu_check.sh carries their wheels). A dry run hides them
 # from the pytest and torch stages unless they were installed from the carried wheels, as there.
 MISSING_THERE = ("gguf", "diskcache", "llguidance", "pydantic", "pydantic_core", "annotated_types",
@@ -80,7 +79,6 @@ class _MissingThere:
 
 sys.meta_path.insert(0, _MissingThere())
 """
-CPU_CMAKE_ARGS = "-DGGML_LLAMAFILE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
 
 
 def log(message: str) -> None:
@@ -264,40 +262,81 @@ def stage_torch(result_path: Path, dry: bool) -> None:
     if target is None:
         return
 
-    # pass-cost curve: n tokens at `depth` cached, through specdecode's runner
-    for label, model, ns in (("target", target, PASS_NS), ("draft", draft, (1, 2, 5))):
-        if model is None:
-            continue
-        try:
-            from specdecode.models.torch.runner import ModelRunner
+    # pass-cost curves: n tokens at `depth` cached, through specdecode's runners, eager and with
+    # CUDA graphs (static KV cache; the CPU dry run replays through the stand-in), and the prefill
+    from specdecode.models.torch.runner import ModelRunner
+    from specdecode.models.torch.static_runner import StaticCacheRunner, StaticCacheSettings
 
-            runner = ModelRunner(model)
-            g = torch.Generator().manual_seed(0)
-            vocab = model.config.vocab_size
+    graph_settings = StaticCacheSettings(stand_in=not cuda)
+
+    def make(kind: str, model: Any) -> Any:
+        return ModelRunner(model) if kind == "eager" else StaticCacheRunner(model, settings=graph_settings)
+
+    for kind in ("eager", "graphs"):
+        for label, model, ns in (("target", target, PASS_NS + (prompt_len,)), ("draft", draft, (1, 2, 3, 5, 9))):
+            if model is None:
+                continue
+            key = label if kind == "eager" else f"{label}_graphs"
+            try:
+                runner = make(kind, model)
+                g = torch.Generator().manual_seed(0)
+                vocab = model.config.vocab_size
+                with torch.inference_mode():
+                    runner.forward(torch.randint(0, vocab, (depth,), generator=g))
+                    row: dict[str, float] = {}
+                    for n in ns:
+                        x = torch.randint(0, vocab, (n,), generator=g)
+                        times = []
+                        for i in range(reps + 2):
+                            sync()
+                            t = time.perf_counter()
+                            runner.forward(x, num_logits=n)
+                            sync()
+                            if i >= 2:  # two warm-ups (the first replay of a width captures it)
+                                times.append(time.perf_counter() - t)
+                            runner.truncate(depth)
+                        row[str(n)] = round(statistics.median(times) * 1000, 3)
+                        res["pass_cost_ms"][key] = row
+                        save()
+                    if kind == "graphs":
+                        res.setdefault("graphs_captured", {})[label] = sorted(runner.graphs)
+                        if runner.graphs_failed:
+                            res["errors"][f"graphs {label}"] = runner.graphs_failed
+                del runner
+            except Exception as error:  # noqa: BLE001
+                res["errors"][f"pass cost {key}"] = error_text(error)
+                save()
+
+    # greedy identity per verification width: the argmax of each row of one W-token pass against
+    # one-token passes over the same tokens (dtype rounding differs with the pass's shape)
+    for kind in ("eager", "graphs"):
+        try:
+            runner = make(kind, target)
+            vocab = target.config.vocab_size
+            g = torch.Generator().manual_seed(7)
+            rows_same: dict[str, str] = {}
             with torch.inference_mode():
-                runner.forward(torch.randint(0, vocab, (depth,), generator=g))
-                row: dict[str, float] = {}
-                for n in ns:
-                    x = torch.randint(0, vocab, (n,), generator=g)
-                    times = []
-                    for i in range(reps + 2):
-                        sync()
-                        t = time.perf_counter()
-                        runner.forward(x, num_logits=n)
-                        sync()
-                        if i >= 2:  # two warm-ups
-                            times.append(time.perf_counter() - t)
+                runner.forward(torch.randint(0, min(vocab, 150000), (depth,), generator=g))
+                for width in range(2, 10):
+                    same = total = 0
+                    for _ in range(2 if dry else 8):
+                        x = torch.randint(0, min(vocab, 150000), (width,), generator=g)
+                        wide = runner.forward(x, num_logits=width).argmax(-1).cpu()
                         runner.truncate(depth)
-                    row[str(n)] = round(statistics.median(times) * 1000, 2)
-                    res["pass_cost_ms"][label] = row
-                    save()
+                        one = torch.stack([runner.forward(x[i : i + 1])[0].argmax(-1).cpu() for i in range(width)])
+                        runner.truncate(depth)
+                        same += int((wide == one).sum())
+                        total += width
+                    rows_same[str(width)] = f"{same}/{total}"
+            res.setdefault("width_identity", {})[kind] = rows_same
+            save()
             del runner
         except Exception as error:  # noqa: BLE001
-            res["errors"][f"pass cost {label}"] = error_text(error)
+            res["errors"][f"width identity {kind}"] = error_text(error)
             save()
 
     prompts = make_prompts(target.config.vocab_size, prompt_len, n_prompts)
-    methods = torch_methods(target, draft, new_tokens, dev)
+    methods = torch_methods(target, draft, new_tokens, dev, graph_settings)
     outputs: dict[str, list[list[int]]] = {}
     for name, run in methods:
         entry: dict[str, Any] = {}
@@ -317,6 +356,10 @@ def stage_torch(result_path: Path, dry: bool) -> None:
                 extra.append(info)
             outputs[name] = outs
             entry.update(tok_s=round(tokens / seconds, 1), new_tokens=tokens, seconds=round(seconds, 3))
+            predicted = predict_seconds(res["pass_cost_ms"], name, extra)
+            if predicted is not None:
+                entry["predicted_s"] = round(predicted, 3)
+                entry["measured_over_predicted"] = round(seconds / predicted, 3)
             mal = [info["mean_acceptance_length"] for info in extra if "mean_acceptance_length" in info]
             if mal:
                 entry["mean_acceptance_length"] = round(sum(mal) / len(mal), 2)
@@ -326,17 +369,43 @@ def stage_torch(result_path: Path, dry: bool) -> None:
             if cuda:
                 torch.cuda.synchronize()
         save()
-    reference = "specdecode_target" if "specdecode_target" in outputs else "hf_generate"
     for name, outs in outputs.items():
+        reference = "specdecode_target_graphs" if name.endswith("_graphs") else "specdecode_target"
+        reference = reference if reference in outputs else "hf_generate"
         if name != reference and reference in outputs:
             same = sum(a == b for a, b in zip(outs, outputs[reference], strict=True))
             res["methods"][name]["identical_to"] = f"{reference}: {same}/{len(outs)} prompts"
     save()
 
 
-def torch_methods(target: Any, draft: Any, new_tokens: int, dev: Any) -> list[tuple[str, Callable]]:
-    """(name, run(prompt ids, max new tokens) -> (new ids, info)) for every method timed."""
+def predict_seconds(costs: dict[str, dict[str, float]], name: str, infos: list[dict[str, Any]]) -> float | None:
+    """The seconds the recorded passes of a ``specdecode_*_graphs`` method cost on the measured graph
+    curves (specdecode.bench.cost_table's pricing: prefill at its measured width, then each target and
+    draft pass), or None (not a graphs method, or no curve)."""
+    from specdecode.bench.cost_table import parse_cost_table
+
+    if not name.endswith("_graphs") or "target_graphs" not in costs or not infos:
+        return None
+    if any("target_passes" not in info for info in infos):
+        return None
+    table = parse_cost_table({"device": "measured here", "target": costs["target_graphs"],
+                              **({"draft": costs["draft_graphs"]} if "draft_graphs" in costs else {})})
+    ms = 0.0
+    for info in infos:
+        ms += sum(table.target(w) for w in info["target_passes"])
+        if table.draft is not None:
+            ms += sum(table.draft(w) for w in info["draft_passes"])
+    return ms / 1000
+
+
+def torch_methods(
+    target: Any, draft: Any, new_tokens: int, dev: Any, graph_settings: Any
+) -> list[tuple[str, Callable]]:
+    """(name, run(prompt ids, max new tokens) -> (new ids, info)) for every method timed; ``*_graphs``:
+    specdecode's runners with a static KV cache and CUDA graphs (``graph_settings``)."""
     import torch
+
+    from specdecode.models.torch.static_runner import forget_static_cache, use_static_cache
 
     def hf(**kwargs: Any) -> Callable:
         def run(prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
@@ -349,22 +418,39 @@ def torch_methods(target: Any, draft: Any, new_tokens: int, dev: Any) -> list[tu
 
     generators: dict[str, Any] = {}
 
-    def ours(kind: str) -> Callable:
+    def ours(kind: str, graphs: bool = False) -> Callable:
+        key = f"{kind}_graphs" if graphs else kind
+
+        def build() -> Any:
+            from specdecode import SpeculativeGenerator
+
+            if kind == "draft_model":
+                return SpeculativeGenerator(target, draft=draft, tokenizer=None)
+            if kind == "prompt_lookup":
+                from specdecode.proposers.prompt_lookup import PromptLookupProposer
+
+                return SpeculativeGenerator(target, tokenizer=None, proposer=PromptLookupProposer())
+            return SpeculativeGenerator(target, tokenizer=None)
+
         def run(prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
-            from specdecode import SamplingParams, SpeculativeGenerator
+            from specdecode import SamplingParams
 
-            if kind not in generators:  # built once, outside the timed calls after the warm-up
-                if kind == "draft_model":
-                    generators[kind] = SpeculativeGenerator(target, draft=draft, tokenizer=None)
-                elif kind == "prompt_lookup":
-                    from specdecode.proposers.prompt_lookup import PromptLookupProposer
-
-                    generators[kind] = SpeculativeGenerator(target, tokenizer=None, proposer=PromptLookupProposer())
-                else:
-                    generators[kind] = SpeculativeGenerator(target, tokenizer=None)
-            result = generators[kind].generate(prompt, SamplingParams(temperature=0, max_new_tokens=n),
-                                               speculative=kind != "target")
-            info = {} if kind == "target" else {"mean_acceptance_length": result.stats.mean_acceptance_length}
+            if key not in generators:  # built once, outside the timed calls after the warm-up
+                models = [m for m in (target, draft) if m is not None]
+                if graphs:
+                    for m in models:
+                        use_static_cache(m, graph_settings)
+                try:
+                    generators[key] = build()
+                finally:
+                    for m in models:
+                        forget_static_cache(m)
+            result = generators[key].generate(prompt, SamplingParams(temperature=0, max_new_tokens=n),
+                                              speculative=kind != "target")
+            info: dict[str, Any] = {"target_passes": list(result.stats.target_pass_widths),
+                                    "draft_passes": list(result.stats.draft_pass_widths)}
+            if kind != "target":
+                info["mean_acceptance_length"] = result.stats.mean_acceptance_length
             return list(result.token_ids), info
         return run
 
@@ -376,10 +462,44 @@ def torch_methods(target: Any, draft: Any, new_tokens: int, dev: Any) -> list[tu
     if draft is not None:
         methods.append(("specdecode_draft_model", ours("draft_model")))
     methods.append(("specdecode_prompt_lookup", ours("prompt_lookup")))
+    methods.append(("specdecode_target_graphs", ours("target", graphs=True)))
+    if draft is not None:
+        methods.append(("specdecode_draft_model_graphs", ours("draft_model", graphs=True)))
+    methods.append(("specdecode_prompt_lookup_graphs", ours("prompt_lookup", graphs=True)))
     return methods
 
 
 # --------------------------------------------------------------------------- stage: llama.cpp
+def llama_build_module() -> Any:
+    """``src/specdecode/models/llamacpp/build.py`` loaded from its file (standard library only; no
+    specdecode or torch import in this parent process)."""
+    import importlib.util
+
+    path = ROOT / "src" / "specdecode" / "models" / "llamacpp" / "build.py"
+    spec = importlib.util.spec_from_file_location("specdecode_llama_build", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def llama_cmake_args(dry: bool) -> tuple[str, str]:
+    """The slim build's ``CMAKE_ARGS`` (one shell-quoted string) and its flavour in words: build.py's
+    ``cuda`` flavour for this card's architecture (``nvidia-smi``; :data:`DEFAULT_CUDA_ARCH` where it
+    does not say), its ``native`` one in a dry run; plus :data:`SLIM_CMAKE_ARGS`."""
+    import shlex
+
+    build = llama_build_module()
+    if dry:
+        args, what = build.cmake_args("native", ""), "CPU"
+    else:
+        arch = build.gpu_compute_capability() or DEFAULT_CUDA_ARCH
+        args, what = build.cmake_args("cuda", "", None, arch), f"CUDA, architecture {arch}"
+    return " ".join(shlex.quote(a) for a in [*args, *SLIM_CMAKE_ARGS]), what
+
+
 def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry: bool) -> Child | str:
     """Start building the carried slim llama-cpp-python into ``site``; a Child, or why not."""
     tarball = gpu_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-slim.tar.gz"
@@ -391,12 +511,17 @@ def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry:
         subprocess.run(["tar", "xzf", str(tarball), "-C", str(src)], check=True, capture_output=True, timeout=60)
     except (subprocess.SubprocessError, OSError) as error:
         return f"could not unpack {tarball}: {error_text(error)}"
-    cmake = CPU_CMAKE_ARGS if dry else CUDA_CMAKE_ARGS
+    cmake, what = llama_cmake_args(dry)
     env = {**os.environ, "CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    if not dry and "CUDACXX" not in env:
+        nvcc = llama_build_module().find_nvcc()
+        if nvcc:
+            env["CUDACXX"] = nvcc
     args = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
             "--no-cache-dir", "--disable-pip-version-check", "--target", site,
             str(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}")]
-    log(f"llamacpp: building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} (CMAKE_ARGS={cmake}) in the background")
+    log(f"llamacpp: building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} ({what}; CMAKE_ARGS={cmake}) "
+        "in the background")
     return Child(["nice", "-n", "10", *args], work / "llama-build.log", env)
 
 
@@ -415,8 +540,42 @@ def fill_gguf(header: Path, data_bytes: int, out: Path) -> None:
             left -= n
 
 
+def greedy_identity(runner: Any, vocab: int, depth: int, trials: int, seed: int = 1,
+                    widths: tuple[int, ...] = IDENTITY_WIDTHS) -> dict[str, Any]:
+    """How often one W-token pass picks the same greedy token per row as decoding one token at a time.
+
+    For each of ``trials`` random continuations ``x`` (``max(widths)`` token ids below ``vocab``)
+    of the runner's first ``depth`` cached tokens: the reference is the argmax of each one-token
+    pass ``x[i]`` after ``depth + i`` tokens; then for each width W, one pass of ``x[:W]`` with W
+    logit rows (a verification pass) from ``depth`` cached tokens, each row's argmax compared
+    with the reference's. The runner is truncated back to ``depth`` after each.
+
+    Returns:
+        ``{"rate": {W: share of identical rows in [0, 1]}, "max_abs_logit_diff": {W: largest
+        |logit - reference logit| over its rows}, "trials": trials}`` (keys are str(W)).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    same = {w: 0 for w in widths}
+    diff = {w: 0.0 for w in widths}
+    for _ in range(trials):
+        x = torch.randint(0, vocab, (max(widths),), generator=g)
+        runner.truncate(depth)
+        ref = torch.cat([runner.forward(x[i : i + 1], num_logits=1).float() for i in range(len(x))])  # [max W, V]
+        for w in widths:
+            runner.truncate(depth)
+            rows = runner.forward(x[:w], num_logits=w).float()  # [W, V]
+            same[w] += int((rows.argmax(-1) == ref[:w].argmax(-1)).sum())
+            diff[w] = max(diff[w], float((rows - ref[:w]).abs().max()))
+    runner.truncate(depth)
+    return {"rate": {str(w): round(same[w] / (w * trials), 4) for w in widths},
+            "max_abs_logit_diff": {str(w): float(f"{diff[w]:.3g}") for w in widths}, "trials": trials}
+
+
 def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
-    """Pass costs and tok/s of the GGUF on llama.cpp (all layers on the GPU where the build has one)."""
+    """Pass costs, greedy identity per verification width (:func:`greedy_identity`) and tok/s of the
+    GGUF on llama.cpp (all layers on the GPU where the build has one), in fast and exact mode."""
     import torch
 
     from specdecode import SamplingParams, SpeculativeGenerator
@@ -427,7 +586,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
     res: dict[str, Any] = {"llama_cpp": getattr(lib, "__version__", "?"),
                            "gpu_offload": bool(lib.llama_supports_gpu_offload()),
                            "system_info": lib.llama_print_system_info().decode(errors="replace")[:300],
-                           "pass_cost_ms": {}, "methods": {}, "errors": {}}
+                           "pass_cost_ms": {}, "greedy_identity": {}, "methods": {}, "errors": {}}
     depth, reps, ns = (16, 1, (1, 3)) if dry else (400, 10, PASS_NS)
     res["pass_cost_depth"] = depth
     write_json(result_path, res)
@@ -456,6 +615,11 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
                 row[str(n)] = round(statistics.median(times) * 1000, 2)
                 res["pass_cost_ms"][label] = row
                 write_json(result_path, res)
+            try:
+                res["greedy_identity"][label] = greedy_identity(runner, vocab, depth, 2 if dry else 20)
+            except Exception as error:  # noqa: BLE001
+                res["errors"][f"greedy identity {label}"] = error_text(error)
+            write_json(result_path, res)
             del runner
             if not exact:
                 prompts = make_prompts(vocab, prompt_len, 2)
@@ -531,17 +695,19 @@ def summary_markdown(res: dict[str, Any]) -> str:
     if pytest_res.get("error"):
         lines.append(f"  - {pytest_res['error']}")
 
-    lines += ["", "| method | tok/s | ratio to specdecode target alone | mean accepted | output | error |",
-              "|---|---:|---:|---:|---|---|"]
+    lines += ["", "| method | tok/s | ratio to specdecode target alone (same runner) | mean accepted | "
+              "measured / predicted | output | error |", "|---|---:|---:|---:|---:|---|---|"]
     methods = {**torch_res.get("methods", {}), **llama_res.get("methods", {})}
     for name, entry in methods.items():
         base_name = "llamacpp_target" if name.startswith("llamacpp") else "specdecode_target"
+        base_name += "_graphs" if name.endswith("_graphs") else ""
         base = methods.get(base_name, {}).get("tok_s")
         tok_s = entry.get("tok_s")
         ratio = f"{tok_s / base:.2f}x" if tok_s and base else "—"
         if name.startswith("llamacpp") and tok_s and base:
             ratio += " (of llamacpp_target)"
         lines.append(f"| {name} | {fmt(tok_s)} | {ratio} | {fmt(entry.get('mean_acceptance_length'), 2)} | "
+                     f"{fmt(entry.get('measured_over_predicted'), 2)} | "
                      f"{entry.get('identical_to', '')} | {entry.get('error', '')} |")
 
     torch_depth = settings["pass_cost_depth"] if settings else "?"
@@ -554,6 +720,26 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   "| model | " + " | ".join(f"n={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(n)), 2) for n in ns) + " |"
                   for label, row in curves.items()]
+    identity = llama_res.get("greedy_identity", {})
+    if identity:
+        widths = sorted({int(w) for entry in identity.values() for w in entry["rate"]})
+        lines += ["", "llama.cpp greedy identity (share of a W-token pass's rows whose argmax equals one-token "
+                  f"decoding's; random contexts, {llama_res.get('pass_cost_depth', '?')} cached; max |logit diff|):",
+                  "", "| mode | " + " | ".join(f"W={w}" for w in widths) + " |", "|---|" + "---:|" * len(widths)]
+        for label, entry in identity.items():
+            cells = [f"{fmt(entry['rate'].get(str(w)), 3)} ({entry['max_abs_logit_diff'].get(str(w), '—')})"
+                     for w in widths]
+            lines.append(f"| {label}, {entry.get('trials')} contexts | " + " | ".join(cells) + " |")
+    identity = torch_res.get("width_identity", {})
+    if identity:
+        widths = sorted({int(w) for row in identity.values() for w in row})
+        lines += ["", "Greedy identity per verification width (torch target, rows of one W-token pass whose "
+                  "argmax equals one-token passes'):", "",
+                  "| runner | " + " | ".join(f"W={w}" for w in widths) + " |", "|---|" + "---:|" * len(widths)]
+        lines += [f"| {kind} | " + " | ".join(row.get(str(w), "—") for w in widths) + " |"
+                  for kind, row in identity.items()]
+    if torch_res.get("graphs_captured"):
+        lines.append(f"\nCUDA graphs captured (widths): {torch_res['graphs_captured']}")
     lines += ["", "Stages:"]
     for name, stage in stages.items():
         seconds = f" ({stage['seconds']} s)" if "seconds" in stage else ""

@@ -25,6 +25,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.constraints import Regex
+from specdecode.models.torch.static_runner import StaticCacheSettings
 from specdecode.proposers import DraftModelProposer
 
 from conftest import make_tiny_model, perturbed_copy
@@ -99,16 +100,17 @@ def small_vocab_pair():
     return target, perturbed_copy(target, noise=0.1, seed=6)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
-def test_sampled_tokens_follow_the_target(small_vocab_pair, tree) -> None:
+def test_sampled_tokens_follow_the_target(small_vocab_pair, tree, graphs: bool) -> None:
     """Temperature 0.8, top-k 9, top-p 0.95, a partly agreeing draft: the first three tokens on
     the device follow the exact target-only marginals (computed on the CPU in float64; chi-square
-    p > P_MIN, 1,000 seeded samples), with a chain (k = 2) and a tree."""
+    p > P_MIN, 1,000 seeded samples), with a chain (k = 2) and a tree, eager and with CUDA graphs."""
     target, draft = small_vocab_pair
     prompt = [3, 1, 4]
     exact = exact_marginals(target, prompt, 3, SAMPLING)
     with on_device():
-        placed = place({"target": target, "draft": draft}, DEVICE)
+        placed = place({"target": target, "draft": draft}, DEVICE, GRAPHS if graphs else None)
         spec = SpeculativeGenerator(placed["target"], proposer=DraftModelProposer(placed["draft"]))
         samples = [
             spec.generate(
@@ -132,6 +134,44 @@ def test_a_seed_gives_the_cpu_tokens_on_the_device(models, tiny_tokenizer) -> No
         generator = make_generator("draft_model", on(models), tiny_tokenizer)
         device = [tokens(generator, s) for s in sampling]
     assert sum(a != b for a, b in zip(cpu, device, strict=True)) <= 1
+
+
+# ------------------------------------------------------------------ static KV cache and CUDA graphs
+# On a GPU the runners capture and replay CUDA graphs; in a dry run on the CPU they replay through the
+# stand-in (tests/test_static_cache.py), on the stand-in device they find no CUDA and fall back to eager.
+GRAPHS = StaticCacheSettings(stand_in=REQUESTED == "cpu")
+
+
+@pytest.mark.parametrize(
+    ("kind", "tree"), [(k, None) for k in CHAIN_KINDS] + [(k, "default") for k in TREE_KINDS], ids=str
+)
+def test_graphs_greedy_equals_target_only(models, tiny_tokenizer, cpu_greedy, kind: str, tree) -> None:
+    """Static KV cache and CUDA graphs per width: greedy output equals target-only decoding (on the
+    same path and the CPU's eager path) for every proposer; the target really replayed graphs."""
+    with on_device():
+        placed = place(models, DEVICE, GRAPHS)
+        alone = make_generator("none", placed, tiny_tokenizer)
+        alone_tokens = tokens(alone, GREEDY)
+        generator = make_generator(kind, placed, tiny_tokenizer)
+        result = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none")
+    assert result.token_ids == alone_tokens == cpu_greedy
+    assert (result.stats.draft_tokens > 0) == (kind != "none")
+    if REQUESTED != "stand-in":
+        assert generator.target.graphs_failed is None, generator.target.graphs_failed
+        assert generator.target.graphs and 1 in alone.target.graphs  # captured widths were replayed
+
+
+@pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
+def test_graphs_a_seed_gives_the_eager_tokens(models, tiny_tokenizer, tree) -> None:
+    """Sampled: the same seed gives the eager runner's tokens on the device (at most one of eight
+    prompts may differ by a tie at a cumulative-mass boundary)."""
+    sampling = [SamplingParams(temperature=0.9, max_new_tokens=16, seed=s) for s in range(8)]
+    with on_device():
+        eager = make_generator("draft_model", on(models), tiny_tokenizer)
+        static = make_generator("draft_model", place(models, DEVICE, GRAPHS), tiny_tokenizer)
+        a = [tokens(eager, s, tree=tree) for s in sampling]
+        b = [tokens(static, s, tree=tree) for s in sampling]
+    assert sum(x != y for x, y in zip(a, b, strict=True)) <= 1
 
 
 # ------------------------------------------------------------------ log-probabilities, constraint, server

@@ -47,14 +47,33 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llamacpp_gpu_offload() -> bool:
+    """Whether the installed llama.cpp build runs layers on a GPU: False without loading its native
+    library when the set-up's record says a CPU build (:func:`~specdecode.models.llamacpp.build.build_backend`),
+    else ``llama_cpp.llama_supports_gpu_offload()`` (loads it; False if that fails)."""
+    from specdecode.models.llamacpp.build import build_backend, installed_record
+
+    if build_backend(installed_record()) == "cpu":
+        return False
+    try:
+        from specdecode.models.llamacpp.model import _lib
+
+        return bool(_lib().llama_supports_gpu_offload())
+    except Exception:  # noqa: BLE001 - a library that does not load offloads nothing
+        return False
+
+
 def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto") -> str:
     """The backend that runs ``target`` (None: the default target) for ``backend``.
 
     ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
-    without a CUDA GPU, where llama-cpp-python is installed and its build passed the smoke test on
-    that file (:mod:`specdecode.models.llamacpp.check`; a failed one prints one line on stderr and
-    takes torch); ``torch`` for Hugging Face folders, on a CUDA GPU, and whenever a ``dtype`` other
-    than ``"auto"`` is asked for (a torch setting). :func:`explain_backend` says why.
+    without a CUDA GPU, or on a CUDA GPU where the llama.cpp build offloads to it
+    (:func:`llamacpp_gpu_offload`: a CUDA build; every layer then runs on the GPU,
+    ``LlamaCppOptions.gpu_layers=-1``), where llama-cpp-python is installed and its build passed
+    the smoke test on that file (:mod:`specdecode.models.llamacpp.check`; a failed one prints one
+    line on stderr and takes torch); ``torch`` for Hugging Face folders, on a CUDA GPU with a
+    CPU-only llama.cpp build, and whenever a ``dtype`` other than ``"auto"`` is asked for (a torch
+    setting). :func:`explain_backend` says why.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -78,10 +97,10 @@ def explain_backend(backend: str, target: str | Path | None = None, dtype: Any =
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend, f"--backend {backend} was asked for"
-    if torch.cuda.is_available():
-        return "torch", "a CUDA GPU is present: torch runs the models on it"
+    on_gpu = torch.cuda.is_available()
     if not llamacpp_available():
-        return "torch", "llama-cpp-python is not installed"
+        why = "a CUDA GPU is present: torch runs the models on it" if on_gpu else "llama-cpp-python is not installed"
+        return "torch", why
     if dtype != "auto":  # a dtype is a torch setting
         return "torch", f"dtype {dtype!r} is a torch setting"
     if target is not None:
@@ -91,15 +110,20 @@ def explain_backend(backend: str, target: str | Path | None = None, dtype: Any =
         packaged = str(target) in NAMED_MODELS and not path.exists()
         if not packaged and path.suffix != ".gguf":
             return "torch", f"{target} is not a .gguf file (a Hugging Face folder runs on torch)"
+    if on_gpu and not llamacpp_gpu_offload():
+        return "torch", "a CUDA GPU is present and the llama.cpp build is CPU-only: torch runs the models on it"
+    where = (
+        "on a CUDA GPU: llama.cpp's CUDA kernels, every layer on the GPU" if on_gpu else "on a CPU: llama.cpp's kernels"
+    )
     gguf = target_gguf(target)
     if gguf is None:  # not installed or missing: loading says so
-        return "llamacpp", "a GGUF model on a CPU: llama.cpp's kernels"
+        return "llamacpp", f"a GGUF model {where}"
     from specdecode.models.llamacpp.check import check_llamacpp, usable
 
     result = check_llamacpp(gguf)
     if not usable(result):  # a crash or a hang; a file llama.cpp refuses fails as it loads
         return "torch", f"{FALLBACK_PREFIX} ({result.reason}); running on torch instead (see `specdecode doctor`)"
-    return "llamacpp", "a GGUF model on a CPU: llama.cpp's kernels (its build passed the smoke test)"
+    return "llamacpp", f"a GGUF model {where} (its build passed the smoke test)"
 
 
 def gguf_path(spec: str | Path | None, role: str) -> Path:

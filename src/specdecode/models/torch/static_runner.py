@@ -71,6 +71,12 @@ def use_static_cache(model: PreTrainedModel, settings: StaticCacheSettings | Non
     return model
 
 
+def forget_static_cache(model: PreTrainedModel) -> None:
+    """Undo :func:`use_static_cache`: runners made of ``model`` from now on are eager (those made
+    already keep what they are)."""
+    _MARKED.pop(model, None)
+
+
 def static_cache_settings(model: object) -> StaticCacheSettings | None:
     """The settings :func:`use_static_cache` gave ``model``, or None (an eager runner)."""
     try:
