@@ -161,11 +161,14 @@ class StaticCacheRunner(ModelRunner):
         if self.cache.grow(_rounded(needed)):  # type: ignore[attr-defined]
             self.graphs.clear()
 
-    def _pass(self, ids: torch.Tensor, positions: torch.Tensor, kv_length: int | None = None) -> PassOutputs:
+    def _pass(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_length: int | None = None, num_logits: int | None = None
+    ) -> PassOutputs:
         """One causal chain pass: ``ids`` int64 ``[1, T]`` at cache slots ``positions`` int64 ``[T]``
         (both on the device); query i sees slots ``j <= positions[i]`` among the first ``kv_length``
-        (default: the whole capacity, as a captured pass must). Returns float32 logits ``[T, V]``
-        (``[T, N]`` with ``head_ids``) and hidden states ``[T, H]``, on the device."""
+        (default: the whole capacity, as a captured pass must). Returns float32 logits of the last
+        ``num_logits`` rows (default all T: ``[T, V]``, ``[T, N]`` with ``head_ids``) and hidden states
+        ``[T, H]``, on the device."""
         cache: StaticKVCache = self.cache  # type: ignore[assignment]
         kv_length = cache.capacity if kv_length is None else kv_length
         dtype = self.model.dtype
@@ -181,7 +184,8 @@ class StaticCacheRunner(ModelRunner):
             **cache_kwargs(decoder, cache),
             use_cache=True,
         ).last_hidden_state  # (1, T, H)
-        return self._head(hidden)[0], hidden[0]
+        rows = hidden if num_logits is None else hidden[:, -num_logits:]
+        return self._head(rows)[0], hidden[0]
 
     @torch.inference_mode()
     def forward(
@@ -210,11 +214,12 @@ class StaticCacheRunner(ModelRunner):
         else:
             outputs = None
         if outputs is None:
-            logits, hidden = self._pass(input_ids.view(1, T).to(self.device), positions.to(self.device), start + T)
+            ids = input_ids.view(1, T).to(self.device)
+            logits, hidden = self._pass(ids, positions.to(self.device), start + T, num_logits)
         else:
             logits, hidden = outputs
         self.length = start + T
-        logits = logits[T - num_logits :].clone()  # (num_logits, V): the graph's buffer is reused
+        logits = logits[-num_logits:].clone()  # (num_logits, V): the graph's buffer is reused
         return (logits, hidden.clone()) if return_hidden else logits
 
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> PassOutputs | None:
