@@ -216,6 +216,8 @@ class SpeculativeGenerator:
         backend: str = "auto",
         threads: int | None = None,
         exact: bool = True,
+        device: str = "auto",
+        cuda_graphs: bool = True,
         **proposer_options: Any,
     ) -> SpeculativeGenerator:
         """Load the target (and the draft, if the proposer needs one) from local paths.
@@ -246,19 +248,37 @@ class SpeculativeGenerator:
             exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
                 decoding on this backend (:mod:`specdecode.models.llamacpp.model`); False takes llama.cpp's
                 fastest kernels. Unused on torch (float32 is exact there).
+            device: where torch runs the models: ``"auto"`` (default: the CUDA GPU where torch sees
+                one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``
+                (:func:`~specdecode.models.torch.placement.resolve_device`); ``"cpu"`` also keeps a CUDA
+                llama.cpp build's layers on the CPU.
+            cuda_graphs: torch on a CUDA device: static KV cache and CUDA graphs per pass width
+                (default; :mod:`specdecode.models.torch.static_runner`), False for eager passes.
             proposer_options: the proposer's own options, fields of its config dataclass
                 (e.g. ``max_ngram=4`` for prompt lookup, ``drafter=DIR`` for ``"medusa"`` /
                 ``"eagle"``); validated before any weights load.
 
         Raises:
             ModelNotFoundError: a path does not exist, or a default model is not installed.
-            ValueError: unknown dtype, backend or proposer, bad proposer options, or a proposer the
+            ValueError: unknown dtype, device, backend or proposer, a device this torch cannot use, bad
+                proposer options, or a proposer the
                 backend cannot serve (the message names both).
             IncompatibleModelsError: the draft's tokenizer cannot encode the target's text.
         """
         from specdecode.load import load_models, plan_models
 
-        plan = plan_models(target, draft, proposer, backend, dtype, threads, exact, **proposer_options)
+        plan = plan_models(
+            target,
+            draft,
+            proposer,
+            backend,
+            dtype,
+            threads,
+            exact,
+            device=device,
+            cuda_graphs=cuda_graphs,
+            **proposer_options,
+        )
         return cls.from_loaded(load_models(plan))
 
     @property

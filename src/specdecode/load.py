@@ -43,6 +43,8 @@ class ModelSource:
         dtype: ``--dtype``.
         backend: ``--backend`` (``auto``, ``torch``, ``llamacpp``).
         threads, exact: ``--threads`` and ``--exact`` (llamacpp only).
+        device, cuda_graphs: ``--device`` and ``--cuda-graphs`` (torch; ``--device cpu`` also keeps
+            llama.cpp's layers on the CPU).
     """
 
     target: str | None = None
@@ -51,6 +53,8 @@ class ModelSource:
     backend: str = "auto"
     threads: int | None = None
     exact: bool = True
+    device: str = "auto"
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class LoadPlan:
         announce: the prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
         prepack: prepack the target's weights at load even without a proposer
             (:func:`plan_bench_models`; the server and a proposer always do).
+        device: where torch runs the models (resolved: ``"cpu"``, ``"cuda:0"``, ...); for llama.cpp
+            ``"cpu"`` keeps every layer on the CPU (a CUDA build otherwise offloads them all).
+        cuda_graphs: on a CUDA device, static KV cache and CUDA graphs (:mod:`specdecode.models.torch.placement`).
     """
 
     backend: str
@@ -87,6 +94,8 @@ class LoadPlan:
     server: bool = False
     announce: str = "specdecode"
     prepack: bool = False
+    device: str = "cpu"
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -180,6 +189,7 @@ def choose(
     dtype: Any = "auto",
     *,
     server: bool = False,
+    device: str = "auto",
     **options: Any,
 ) -> tuple[str, str | None, dict[str, Any], Any]:
     """The backend and the proposer, without paths or weights: ``(backend, proposer, options, config)``.
@@ -198,7 +208,7 @@ def choose(
         raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, 'auto' or None, got {proposer!r}")
     if proposer is None and options:
         raise ValueError(f"proposer options {sorted(options)} given without a proposer")
-    chosen = resolve_backend(backend, target, dtype)  # once: its llama.cpp smoke test may print a line
+    chosen = resolve_backend(backend, target, dtype, device)  # once: its llama.cpp smoke test may print a line
     if proposer == "auto":
         proposer, options = auto_proposer(chosen, draft, options)
     config = _make_config(proposer, options) if proposer is not None else None  # bad options fail early
@@ -219,6 +229,8 @@ def plan_models(
     threads: int | None = None,
     exact: bool = True,
     *,
+    device: str = "auto",
+    cuda_graphs: bool = True,
     server: bool = False,
     announce: str = "specdecode",
     **options: Any,
@@ -235,23 +247,32 @@ def plan_models(
             :func:`~specdecode.models.backends.resolve_backend`).
         dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or a torch dtype.
         threads, exact: the llamacpp backend's options (:class:`~specdecode.models.llamacpp.LlamaCppOptions`).
+        device: ``"auto"`` (a CUDA GPU where torch sees one, else the CPU), ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` or ``"mps"`` (:func:`~specdecode.models.torch.placement.resolve_device`).
+        cuda_graphs: on a CUDA device, run torch's runners over a static KV cache with CUDA graphs
+            (default; False: eager passes).
         server: plan for ``specdecode serve`` (see :attr:`LoadPlan.server`; Medusa and EAGLE count
             as proposers llama.cpp cannot serve).
         announce: prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
         options: the proposer's options (fields of its config dataclass).
 
     Raises:
-        ValueError: unknown dtype, backend or proposer, bad proposer or llamacpp options, options
-            without a proposer, or a proposer ``backend="llamacpp"`` cannot serve (names both).
+        ValueError: unknown dtype, device, backend or proposer, a device this torch cannot use, bad
+            proposer or llamacpp options, options without a proposer, or a proposer
+            ``backend="llamacpp"`` cannot serve (names both).
         ModelNotFoundError: a path does not exist or is not a model, or a default model is not installed.
         IncompatibleModelsError: a draft of another vocabulary for a proposer that cannot switch
             to ``cross_tokenizer`` (model folders; GGUF files: :func:`load_models`).
     """
     from specdecode.models.default import DEFAULT_TARGET
     from specdecode.models.torch.hf_loading import parse_dtype
+    from specdecode.models.torch.placement import resolve_device
 
+    place = str(resolve_device(device))  # a device this torch cannot use fails before anything loads
     parse_dtype(dtype)
-    chosen, proposer, options, config = choose(proposer, backend, target, draft, dtype, server=server, **options)
+    chosen, proposer, options, config = choose(
+        proposer, backend, target, draft, dtype, server=server, device=place, **options
+    )
     needs_draft = proposer is not None and _spec(proposer).needs_draft
     loads_draft = needs_draft or (server and draft is not None)
     if chosen == "llamacpp":
@@ -273,7 +294,20 @@ def plan_models(
             proposer, config = final, _make_config(final, options)
     name = DEFAULT_TARGET.name if target is None else name
     return LoadPlan(
-        chosen, proposer, options, config, target_path, draft_path, name, dtype, threads, exact, server, announce
+        chosen,
+        proposer,
+        options,
+        config,
+        target_path,
+        draft_path,
+        name,
+        dtype,
+        threads,
+        exact,
+        server,
+        announce,
+        device=place,
+        cuda_graphs=cuda_graphs,
     )
 
 
@@ -286,6 +320,8 @@ def plan_bench_models(
     exact: bool = True,
     *,
     need_draft: bool = False,
+    device: str = "auto",
+    cuda_graphs: bool = True,
 ) -> LoadPlan:
     """:func:`plan_models` for ``specdecode bench``: the target and, where ``need_draft``, the draft
     (the default pair's where ``draft`` is None), no proposer (each method builds its own); the
@@ -295,7 +331,7 @@ def plan_bench_models(
     Raises:
         ValueError, ModelNotFoundError: as :func:`plan_models`.
     """
-    plan = plan_models(target, None, None, backend, dtype, threads, exact)
+    plan = plan_models(target, None, None, backend, dtype, threads, exact, device=device, cuda_graphs=cuda_graphs)
     draft_path = None
     if need_draft:  # checked before any weights load, as plan_models checks the target
         if plan.backend == "llamacpp":
@@ -356,6 +392,8 @@ def load_models(plan: LoadPlan) -> LoadedModels:
         from specdecode.models.llamacpp.model import LlamaCppOptions
 
         options = LlamaCppOptions(threads=plan.threads, exact=plan.exact)
+        if plan.device == "cpu":  # --device cpu: a CUDA build keeps every layer on the CPU
+            options = dataclasses.replace(options, gpu_layers=0)
         target = load_llamacpp(plan.target, "target", options)
         draft = load_llamacpp(plan.draft, "draft", options) if plan.draft is not None else None
         tokenizer = load_llamacpp_tokenizer(target)
@@ -366,10 +404,11 @@ def load_models(plan: LoadPlan) -> LoadedModels:
         from specdecode.models.torch.hf_loading import load_model, load_tokenizer
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
+        place = {"device": plan.device, "cuda_graphs": plan.cuda_graphs}
         target = load_model(
-            plan.target, "target", plan.dtype, prepack_now=plan.prepack or plan.server or proposer is not None
+            plan.target, "target", plan.dtype, prepack_now=plan.prepack or plan.server or proposer is not None, **place
         )
-        draft = load_model(plan.draft, "draft", plan.dtype) if plan.draft is not None else None
+        draft = load_model(plan.draft, "draft", plan.dtype, **place) if plan.draft is not None else None
         tokenizer = load_tokenizer(plan.target)
     built = None
     if proposer is not None and not plan.server:

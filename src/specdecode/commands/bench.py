@@ -164,7 +164,17 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "tor
     from specdecode.models.backends import target_gguf
 
     threads, exact = getattr(args, "threads", None), getattr(args, "exact", True)
-    plan = plan_bench_models(args.target, args.draft, backend, args.dtype, threads, exact, need_draft=need_draft)
+    plan = plan_bench_models(
+        args.target,
+        args.draft,
+        backend,
+        args.dtype,
+        threads,
+        exact,
+        need_draft=need_draft,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+    )
     loaded = load_models(plan)
     # the llama.cpp peers run the target's GGUF file, on either backend (None: they are skipped)
     return BenchModels(loaded.target, loaded.draft, loaded.tokenizer, target_gguf(args.target), threads)

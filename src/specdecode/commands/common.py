@@ -59,6 +59,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "tokenizer, drafting through cross_tokenizer (default: Qwen2.5-Coder-0.5B-Instruct)",
     )
     add_dtype_arg(p)
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N,mps}",
+        help="where torch runs the models; auto (default): the CUDA GPU where torch sees one, else the CPU "
+        "(cpu also keeps a CUDA llama.cpp build's layers on the CPU)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="torch on a CUDA GPU: static KV cache and CUDA graphs per pass width (default); --no-cuda-graphs: "
+        "eager passes",
+    )
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:

@@ -149,6 +149,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.draft,
         proposer,
         dtype=args.dtype,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
         **backend_options(args),
         **({} if args.no_speculation else given_proposer_options(args)),
     )

@@ -169,6 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         threads=options["threads"],
         exact=options["exact"],
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
     )
     log_format = "%(asctime)s %(name)s %(levelname)s %(message)s"
     if args.replicas is not None:

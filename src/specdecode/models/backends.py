@@ -63,7 +63,7 @@ def llamacpp_gpu_offload() -> bool:
         return False
 
 
-def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto") -> str:
+def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto", device: str = "auto") -> str:
     """The backend that runs ``target`` (None: the default target) for ``backend``.
 
     ``"auto"``: ``llamacpp`` for a ``.gguf`` file, the default pair and packaged models on a machine
@@ -73,12 +73,13 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
     the smoke test on that file (:mod:`specdecode.models.llamacpp.check`; a failed one prints one
     line on stderr and takes torch); ``torch`` for Hugging Face folders, on a CUDA GPU with a
     CPU-only llama.cpp build, and whenever a ``dtype`` other than ``"auto"`` is asked for (a torch
-    setting). :func:`explain_backend` says why.
+    setting). ``device="cpu"`` (``--device cpu``) counts as a machine without a GPU.
+    :func:`explain_backend` says why.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
     """
-    chosen, reason = explain_backend(backend, target, dtype)
+    chosen, reason = explain_backend(backend, target, dtype, device)
     if reason.startswith(FALLBACK_PREFIX):
         print(f"specdecode: {reason}", file=sys.stderr)
     return chosen
@@ -87,7 +88,9 @@ def resolve_backend(backend: str, target: str | Path | None = None, dtype: Any =
 FALLBACK_PREFIX = "llama.cpp failed its smoke test"
 
 
-def explain_backend(backend: str, target: str | Path | None = None, dtype: Any = "auto") -> tuple[str, str]:
+def explain_backend(
+    backend: str, target: str | Path | None = None, dtype: Any = "auto", device: str = "auto"
+) -> tuple[str, str]:
     """:func:`resolve_backend`'s choice and the reason for it, in words (``specdecode doctor``).
 
     Raises:
@@ -97,7 +100,7 @@ def explain_backend(backend: str, target: str | Path | None = None, dtype: Any =
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend, f"--backend {backend} was asked for"
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() and torch.device(device if device != "auto" else "cuda").type == "cuda"
     if not llamacpp_available():
         why = "a CUDA GPU is present: torch runs the models on it" if on_gpu else "llama-cpp-python is not installed"
         return "torch", why

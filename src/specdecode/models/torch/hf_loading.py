@@ -13,17 +13,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from specdecode.errors import ModelNotFoundError
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
+from specdecode.models.torch.placement import place_model, resolve_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """``"auto"`` / ``"bfloat16"`` / ``"float32"`` (or the torch dtype) -> torch dtype.
 
-    ``"auto"`` is :func:`specdecode.models.torch.cpu.auto_dtype` for the CPU: bfloat16 where this CPU
-    multiplies bf16 natively, float32 otherwise (there a pass over k + 1 tokens costs k + 1
-    bf16 passes, which no speculation can win back).
+    ``"auto"`` is :func:`specdecode.models.torch.cpu.auto_dtype` for ``device``: bfloat16 on a GPU, and
+    on a CPU that multiplies bf16 natively, float32 on other CPUs (there a pass over k + 1 tokens
+    costs k + 1 bf16 passes, which no speculation can win back).
 
     Raises:
         ValueError: any other value.
@@ -31,7 +32,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if dtype == "auto":
-        return DTYPES[auto_dtype("cpu")]
+        return DTYPES[auto_dtype(device)]
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
@@ -73,8 +74,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     onednn: bool = True,
     prepack_now: bool = False,
+    device: str | torch.device = "cpu",
+    cuda_graphs: bool = True,
 ) -> PreTrainedModel:
-    """Load a causal LM in ``dtype`` for inference (``spec`` as in :func:`resolve_model_dir`).
+    """Load a causal LM in ``dtype`` for inference on ``device`` (``spec`` as in :func:`resolve_model_dir`).
+
+    ``device`` (:func:`specdecode.models.torch.placement.resolve_device`: ``"auto"``, ``"cpu"``,
+    ``"cuda"``, ...): the model moves there after loading; on a CUDA device with ``cuda_graphs`` its
+    runners keep a static KV cache and replay CUDA graphs
+    (:func:`specdecode.models.torch.placement.place_model`).
 
     A float32 model on the CPU gets its large linear layers routed through oneDNN for passes of
     few tokens (:func:`specdecode.models.torch.cpu.use_onednn_linears`; ``onednn=False`` keeps torch's
@@ -86,11 +94,15 @@ def load_model(
     hold their layer weakly).
 
     Raises:
-        ModelNotFoundError, ValueError: see :func:`resolve_model_dir` and :func:`parse_dtype`.
+        ModelNotFoundError, ValueError: see :func:`resolve_model_dir`, :func:`parse_dtype` and
+            :func:`~specdecode.models.torch.placement.resolve_device`.
     """
-    torch_dtype = parse_dtype(dtype)
+    place = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, place)
     gc.collect()  # dropped models caught in reference cycles give their memory back before the next load
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
+    if place.type != "cpu":
+        return place_model(model.eval(), place, cuda_graphs)  # type: ignore[return-value]
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
         if prepack_now:
