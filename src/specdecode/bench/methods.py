@@ -166,8 +166,15 @@ class BenchModels:
         from specdecode.models.torch.hf_loading import load_model
 
         if spec not in self._drafts:
-            self._drafts[spec] = load_model(spec, "draft", self.target.dtype)
+            self._drafts[spec] = load_model(spec, "draft", self.target.dtype, **self._placement())
         return self._drafts[spec]
+
+    def _placement(self) -> dict[str, Any]:
+        """``device`` and ``cuda_graphs`` of a model loaded beside :attr:`target`: where it runs and
+        whether its runners replay CUDA graphs (:mod:`specdecode.models.torch.placement`)."""
+        from specdecode.models.torch.static_runner import static_cache_settings
+
+        return {"device": self.target.device, "cuda_graphs": static_cache_settings(self.target) is not None}
 
     def target_in(self, dtype: str) -> SpeculativeGenerator:
         """Our engine, target only, on a second copy of :attr:`target` loaded in ``dtype`` (the
@@ -183,7 +190,7 @@ class BenchModels:
             if parse_dtype(dtype) == self.target.dtype:  # the loaded target already is that dtype: no copy
                 self._targets[dtype] = self.generator(None)
             else:
-                model = load_model(self.target.config._name_or_path, "target", dtype)
+                model = load_model(self.target.config._name_or_path, "target", dtype, **self._placement())
                 self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
         return self._targets[dtype]
 
