@@ -669,6 +669,93 @@ def gguf_header(out_dir: Path, spec: str | None = None) -> None:
     log(f"GGUF header of {model.name}: {offset / 2**20:.1f} MiB (its {data_gib:.2f} GiB of weights: random there)")
 
 
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def hf_skeleton(out_dir: Path) -> None:
+    """Write the default pair's Hugging Face folders without weights to ``out_dir/hf/{target,draft}``
+    (config, generation config; the tokenizer once, in ``target``): there they become random-weight
+    folders the command line loads (the ``cli`` stage)."""
+    from specdecode.models.default import ensure_default_model
+
+    for role in ("target", "draft"):
+        source = ensure_default_model(role)
+        dest = out_dir / "hf" / role
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in HF_FILES if role == "target" else HF_FILES[:2]:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, dest / name)
+    size = sum(f.stat().st_size for f in (out_dir / "hf").rglob("*") if f.is_file())
+    log(f"Hugging Face folders of the default pair without weights: {size / 2**20:.1f} MiB")
+
+
+# --------------------------------------------------------------------------- stage: the command line (child)
+def random_folders(gpu_dir: Path, work: Path, dry: bool) -> tuple[Path, Path]:
+    """Random-weight model folders of the default pair's configs (tiny ones in a dry run) with the
+    default tokenizer, saved in bf16 under ``work``: what a user's ``--target``/``--draft`` would be."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dirs = []
+    for role, seed in (("target", 0), ("draft", 1)):
+        source, dest = gpu_dir / "hf" / role, work / f"random-{role}"
+        config = AutoConfig.from_pretrained(source)
+        if dry:  # same vocabulary and tokenizer, 2 small layers
+            config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_window_layers=2, layer_types=["full_attention"] * 2))
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(dest)
+        for name in HF_FILES[1:]:
+            src = source / name if (source / name).is_file() else gpu_dir / "hf" / "target" / name
+            if src.is_file():
+                shutil.copyfile(src, dest / name)
+        dirs.append(dest)
+        del model
+    return dirs[0], dirs[1]
+
+
+def stage_cli(result_path: Path, gpu_dir: Path, dry: bool) -> None:
+    """specdecode's command line on random-weight folders, as a user runs it: ``doctor``, ``generate
+    --compare`` and a ``bench`` of our methods and transformers' peers (``--device auto``: the GPU
+    there). Writes ``result_path`` after each command."""
+    work = result_path.parent
+    res: dict[str, Any] = {"commands": {}, "errors": {}}
+    save = lambda: write_json(result_path, res)  # noqa: E731
+    try:
+        t0 = time.perf_counter()
+        target, draft = random_folders(gpu_dir, work, dry)
+        res["folders_s"] = round(time.perf_counter() - t0, 1)
+    except Exception as error:  # noqa: BLE001
+        res["errors"]["folders"] = error_text(error)
+        save()
+        return
+    save()
+    tokens = "16" if dry else "64"
+    bench_out = work / "bench"
+    commands = {
+        "doctor": ["doctor"],
+        "generate": ["generate", "Write a quicksort in Python.", "--target", str(target), "--draft", str(draft),
+                     "--backend", "torch", "--max-new-tokens", tokens, "--compare"],
+        "bench": ["bench", "--target", str(target), "--draft", str(draft), "--backend", "torch",
+                  "--categories", "coding,humaneval", "--prompts-per-category", "1" if dry else "2",
+                  "--max-new-tokens", tokens, "--no-progress", "--out", str(bench_out),
+                  "--methods", "target,draft_model,prompt_lookup,hf_generate,hf_assisted,hf_prompt_lookup",
+                  "--cost-table", "h100-torch-graphs-bf16"],
+    }
+    for name, argv in commands.items():
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", "import sys; from specdecode.commands.main import main; "
+                               "sys.exit(main(sys.argv[1:]))", *argv], capture_output=True, text=True)
+        res["commands"][name] = {"argv": " ".join(argv), "rc": proc.returncode,
+                                 "seconds": round(time.perf_counter() - t0, 1),
+                                 "stdout_tail": proc.stdout[-2500:], "stderr_tail": proc.stderr[-1500:]}
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            res["errors"][name] = f"exit code {proc.returncode}: {last[:300]}"
+        save()
+
+
 # --------------------------------------------------------------------------- summary
 def fmt(value: Any, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
@@ -740,6 +827,14 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   for kind, row in identity.items()]
     if torch_res.get("graphs_captured"):
         lines.append(f"\nCUDA graphs captured (widths): {torch_res['graphs_captured']}")
+    cli = stages.get("cli", {})
+    if cli.get("commands"):
+        lines += ["", f"Command line on random-weight folders (folders made in {cli.get('folders_s', '?')} s):", ""]
+        for name, entry in cli["commands"].items():
+            lines.append(f"- `specdecode {name}`: exit {entry['rc']} in {entry['seconds']} s")
+        bench = cli["commands"].get("bench", {}).get("stdout_tail", "")
+        if bench:
+            lines += ["", "```", *bench.strip().splitlines()[-30:], "```"]
     lines += ["", "Stages:"]
     for name, stage in stages.items():
         seconds = f" ({stage['seconds']} s)" if "seconds" in stage else ""
@@ -816,8 +911,8 @@ def run(args: argparse.Namespace) -> int:
         env = {**env, "PYTHONPATH": f"{simulate}:{env.get('PYTHONPATH', '')}", "GPU_CHECK_SITE": args.site,
                "GPU_CHECK_MISSING": ",".join(MISSING_THERE), "OMP_NUM_THREADS": "1"}  # 1: a shared box's cores
         log(f"dry run: {', '.join(MISSING_THERE)} importable only from {args.site} (as on the GPU machine)")
-    limits = {"pytest": 60, "torch": 60, "llamacpp": 90, "build": 15} if dry else \
-        {"pytest": 120, "torch": 240, "llamacpp": 75, "build": args.budget}
+    limits = {"pytest": 60, "torch": 60, "cli": 150, "llamacpp": 90, "build": 15} if dry else \
+        {"pytest": 120, "torch": 240, "cli": 240, "llamacpp": 75, "build": args.budget}
     build: Child | str | None = None
     if args.llamacpp:
         try:
@@ -848,6 +943,19 @@ def run(args: argparse.Namespace) -> int:
             res["stages"]["torch"] = {"status": "failed", "errors": {"stage": error_text(error)}}
     else:
         res["stages"]["torch"] = {"status": "skipped", "note": "out of time budget"}
+    # b2: the command line on random-weight folders (doctor, generate --compare, bench with peers)
+    if "cli" not in args.stages:
+        res["stages"]["cli"] = {"status": "skipped", "note": "not asked for (--stages)"}
+    elif not (gpu_dir / "hf" / "target" / "config.json").is_file():
+        res["stages"]["cli"] = {"status": "skipped", "note": f"no {gpu_dir}/hf (bash scripts/gpu_check.sh prepare)"}
+    elif left() > 10:
+        try:
+            res["stages"]["cli"] = run_child_stage("cli", python, env, work, limit_for(limits["cli"]),
+                                                   [str(gpu_dir), *(["--cpu-dry-run"] if dry else [])])
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["cli"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+    else:
+        res["stages"]["cli"] = {"status": "skipped", "note": "out of time budget"}
     if isinstance(build, Child):
         build.paused_s = time.monotonic() - paused
         build.signal(signal.SIGCONT)
@@ -936,8 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="the whole check (the GPU machine; --cpu-dry-run here)")
     p_run.add_argument("--cpu-dry-run", action="store_true", help="tiny models on the CPU: every code path, no timings")
     p_run.add_argument("--llamacpp", action="store_true", help="also build llama-cpp-python with CUDA and time a GGUF")
-    p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch"},
-                       help="comma-separated stages among pytest,torch (default both; --llamacpp adds llama.cpp)")
+    p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "cli"},
+                       help="stages among pytest,torch,cli (default all three; --llamacpp adds llama.cpp)")
     p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
                        help="seconds for everything (default 360)")
     p_run.add_argument("--site", default="/tmp/site", help="where the carried wheels were installed")
@@ -945,6 +1053,12 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--install-note", default="", help="what gpu_check.sh installed (for the summary)")
     p_header = sub.add_parser("gguf-header", help="here: the default target GGUF's header into DIR")
     p_header.add_argument("dir", type=Path)
+    p_hf = sub.add_parser("hf-skeleton", help="here: the default pair's HF folders without weights into DIR/hf")
+    p_hf.add_argument("dir", type=Path)
+    p_cli = sub.add_parser("stage-cli", help=argparse.SUPPRESS)
+    p_cli.add_argument("result", type=Path)
+    p_cli.add_argument("gpu_dir", type=Path)
+    p_cli.add_argument("--cpu-dry-run", action="store_true")
     p_torch = sub.add_parser("stage-torch", help=argparse.SUPPRESS)
     p_torch.add_argument("result", type=Path)
     p_torch.add_argument("--cpu-dry-run", action="store_true")
@@ -957,6 +1071,12 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "gguf-header":
         gguf_header(args.dir)
+        return 0
+    if args.command == "hf-skeleton":
+        hf_skeleton(args.dir)
+        return 0
+    if args.command == "stage-cli":
+        stage_cli(args.result, args.gpu_dir, args.cpu_dry_run)
         return 0
     if args.command == "stage-torch":
         stage_torch(args.result, args.cpu_dry_run)

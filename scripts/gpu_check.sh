@@ -82,6 +82,8 @@ prepare() {
     .venv/bin/python scripts/gpu_check.py gguf-header "$GPU_DIR" \
       || echo "gpu_check: WARNING: no GGUF header (--llamacpp will skip its timing)" >&2
   fi
+  .venv/bin/python scripts/gpu_check.py hf-skeleton "$GPU_DIR" \
+    || echo "gpu_check: WARNING: no Hugging Face folders (the cli stage will skip)" >&2
   echo "gpu_check: $GPU_DIR holds (carry it: carry=[\"$GPU_DIR\"]):"
   (cd "$GPU_DIR" && find . -type f -printf '%s\t%p\n' | sort -k2 | awk -F'\t' '{printf "  %8.1f KiB  %s\n", $1/1024, $2}')
   local bytes

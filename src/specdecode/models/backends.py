@@ -43,8 +43,12 @@ def default_proposer(backend: str, draft: str | Path | None = None) -> tuple[str
 
 
 def llamacpp_available() -> bool:
-    """Whether llama-cpp-python is installed (without loading its native library)."""
-    return importlib.util.find_spec("llama_cpp") is not None
+    """Whether llama-cpp-python is installed (without loading its native library); False also where
+    looking it up raises (a broken install, an import hook that hides it)."""
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def llamacpp_gpu_offload() -> bool:
