@@ -209,7 +209,7 @@ def make_prompts(vocab: int, length: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def stage_torch(result_path: Path, dry: bool) -> None:
+def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> None:
     """Measure and write ``result_path`` after every measurement (a timeout keeps what was measured)."""
     import torch
     import transformers
@@ -375,6 +375,75 @@ def stage_torch(result_path: Path, dry: bool) -> None:
         if name != reference and reference in outputs:
             same = sum(a == b for a, b in zip(outs, outputs[reference], strict=True))
             res["methods"][name]["identical_to"] = f"{reference}: {same}/{len(outs)} prompts"
+    save()
+    if compile_passes:
+        stage_compiled(res, save, target, make, prompts[0], new_tokens, depth, reps, sync, dry)
+
+
+def stage_compiled(res: dict[str, Any], save: Callable[[], None], target: Any, make: Callable, prompt: list[int],
+                   new_tokens: int, depth: int, reps: int, sync: Callable[[], None], dry: bool) -> None:
+    """``--compile``: the static-cache runner with ``torch.compile`` (inductor) before the capture:
+    seconds to compile and capture each width, pass costs at widths 1, 5, 9, the argmax rows equal to
+    the uncompiled graphs runner's, and greedy tok/s of the target alone over one prompt."""
+    import torch
+
+    from specdecode import SamplingParams, SpeculativeGenerator
+    from specdecode.models.torch.static_runner import (
+        StaticCacheRunner,
+        StaticCacheSettings,
+        forget_static_cache,
+        use_static_cache,
+    )
+
+    settings = StaticCacheSettings(stand_in=dry, compile=True, compile_backend="eager" if dry else "inductor")
+    out: dict[str, Any] = {"compile_s": {}, "pass_cost_ms": {}, "argmax_equal_to_graphs": {}}
+    res["compiled"] = out
+    try:
+        runner, plain = StaticCacheRunner(target, settings=settings), make("graphs", target)
+        g = torch.Generator().manual_seed(0)
+        vocab = min(target.config.vocab_size, 150000)
+        with torch.inference_mode():
+            context = torch.randint(0, vocab, (depth,), generator=g)
+            runner.forward(context)
+            plain.forward(context)
+            for n in (1, 5, 9):
+                x = torch.randint(0, vocab, (n,), generator=g)
+                sync()
+                t = time.perf_counter()
+                a = runner.forward(x, num_logits=n)
+                sync()
+                out["compile_s"][str(n)] = round(time.perf_counter() - t, 1)
+                b = plain.forward(x, num_logits=n)
+                out["argmax_equal_to_graphs"][str(n)] = f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{n}"
+                runner.truncate(depth)
+                plain.truncate(depth)
+                times = []
+                for _ in range(reps):
+                    sync()
+                    t = time.perf_counter()
+                    runner.forward(x, num_logits=n)
+                    sync()
+                    times.append(time.perf_counter() - t)
+                    runner.truncate(depth)
+                out["pass_cost_ms"][str(n)] = round(statistics.median(times) * 1000, 3)
+                save()
+        if runner.graphs_failed:
+            res["errors"]["compiled graphs"] = runner.graphs_failed
+        del runner, plain
+        use_static_cache(target, settings)
+        try:
+            generator = SpeculativeGenerator(target, tokenizer=None)
+        finally:
+            forget_static_cache(target)
+        sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens)
+        generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4))  # compiles and captures 1
+        sync()
+        t = time.perf_counter()
+        result = generator.generate(prompt, sampling)
+        sync()
+        out["target_tok_s"] = round(len(result.token_ids) / (time.perf_counter() - t), 1)
+    except Exception as error:  # noqa: BLE001
+        res["errors"]["compiled"] = error_text(error)
     save()
 
 
@@ -825,6 +894,11 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   "| runner | " + " | ".join(f"W={w}" for w in widths) + " |", "|---|" + "---:|" * len(widths)]
         lines += [f"| {kind} | " + " | ".join(row.get(str(w), "—") for w in widths) + " |"
                   for kind, row in identity.items()]
+    compiled = torch_res.get("compiled")
+    if compiled:
+        lines += ["", f"torch.compile + graphs (target): compile+capture s {compiled.get('compile_s')}, pass ms "
+                  f"{compiled.get('pass_cost_ms')}, argmax rows = uncompiled graphs "
+                  f"{compiled.get('argmax_equal_to_graphs')}, target alone {compiled.get('target_tok_s', '—')} tok/s"]
     if torch_res.get("graphs_captured"):
         lines.append(f"\nCUDA graphs captured (widths): {torch_res['graphs_captured']}")
     cli = stages.get("cli", {})
@@ -937,8 +1011,9 @@ def run(args: argparse.Namespace) -> int:
         res["stages"]["torch"] = {"status": "skipped", "note": "not asked for (--stages)"}
     elif left() > 10:
         try:
-            res["stages"]["torch"] = run_child_stage("torch", python, env, work, limit_for(limits["torch"]),
-                                                     ["--cpu-dry-run"] if dry else [])
+            extra = (["--cpu-dry-run"] if dry else []) + (["--compile"] if args.compile else [])
+            limit = limits["torch"] + (240 if args.compile and not dry else 0)
+            res["stages"]["torch"] = run_child_stage("torch", python, env, work, limit_for(limit), extra)
         except Exception as error:  # noqa: BLE001
             res["stages"]["torch"] = {"status": "failed", "errors": {"stage": error_text(error)}}
     else:
@@ -1044,6 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="the whole check (the GPU machine; --cpu-dry-run here)")
     p_run.add_argument("--cpu-dry-run", action="store_true", help="tiny models on the CPU: every code path, no timings")
     p_run.add_argument("--llamacpp", action="store_true", help="also build llama-cpp-python with CUDA and time a GGUF")
+    p_run.add_argument("--compile", action="store_true",
+                       help="torch stage: also time the graphs runner with torch.compile (inductor; minutes)")
     p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "cli"},
                        help="stages among pytest,torch,cli (default all three; --llamacpp adds llama.cpp)")
     p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
@@ -1062,6 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     p_torch = sub.add_parser("stage-torch", help=argparse.SUPPRESS)
     p_torch.add_argument("result", type=Path)
     p_torch.add_argument("--cpu-dry-run", action="store_true")
+    p_torch.add_argument("--compile", action="store_true")
     p_llama = sub.add_parser("stage-llamacpp", help=argparse.SUPPRESS)
     p_llama.add_argument("result", type=Path)
     p_llama.add_argument("gguf", type=Path)
@@ -1079,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_cli(args.result, args.gpu_dir, args.cpu_dry_run)
         return 0
     if args.command == "stage-torch":
-        stage_torch(args.result, args.cpu_dry_run)
+        stage_torch(args.result, args.cpu_dry_run, args.compile)
         return 0
     stage_llamacpp(args.result, args.gguf, args.cpu_dry_run)
     return 0

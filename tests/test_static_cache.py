@@ -245,3 +245,23 @@ def test_drafts_that_agree_fully_never_partly(models, tiny_tokenizer, eager_gree
     rate = result.stats.acceptance_rate
     assert rate > 0.95 if agree is None else (rate == 0.0 if agree == 0 else 0.1 < rate < 0.95), rate
     assert k + 1 in generator.target.graphs  # the verification width was captured
+
+
+def test_a_compiled_pass_gives_the_eager_runners_logits() -> None:
+    """``compile=True`` traces the captured pass with ``torch.compile`` (here the ``eager`` backend:
+    dynamo's tracing, with the cache's in-place writes and the runner's state, without code
+    generation); the logits stay the eager runner's."""
+    model = make_tiny_model(seed=4)
+    settings = StaticCacheSettings(stand_in=True, compile=True, compile_backend="eager")
+    eager, static = ModelRunner(model), StaticCacheRunner(model, settings=settings)
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    for start, n in ((0, 12), (12, 1), (13, 4), (17, 1), (18, 4)):
+        a = eager.forward(ids[start : start + n], num_logits=n)
+        b = static.forward(ids[start : start + n], num_logits=n)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+    eager.truncate(15)
+    static.truncate(15)
+    torch.testing.assert_close(
+        static.forward(ids[30:34], num_logits=4), eager.forward(ids[30:34], num_logits=4), rtol=0, atol=1e-4
+    )
+    assert sorted(static.graphs) == [1, 4, 12]

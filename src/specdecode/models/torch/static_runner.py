@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.models.contract import RunnerCapabilities
-from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.compat import cache_keyword
 from specdecode.models.torch.graphs import CapturedPass, PassOutputs
 from specdecode.models.torch.runner import ModelRunner, check_decoder_logits
 from specdecode.models.torch.static_cache import StaticKVCache
@@ -44,12 +45,20 @@ class StaticCacheSettings:
             dropping the captured graphs, which read the old buffers).
         stand_in: capture nothing; replay eagerly through the fixed buffers
             (:class:`~specdecode.models.torch.graphs.CapturedPass`): CPU tests of the buffer logic.
+        compile: compile the captured pass with ``torch.compile`` first (one compilation per width;
+            inductor fuses the model's small kernels, as gpt-fast does), then capture the compiled
+            kernels. Not on by default: unmeasured on a GPU so far (minutes of compilation per
+            process), see docs/design.md §2c.
+        compile_backend: ``torch.compile``'s backend (``"inductor"``; ``"eager"`` traces without
+            generating code: CPU tests of the traced pass).
     """
 
     cuda_graphs: bool = True
     max_graph_width: int = DEFAULT_MAX_GRAPH_WIDTH
     capacity: int = CAPACITY_BLOCK
     stand_in: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
 
 
 _MARKED: weakref.WeakKeyDictionary[PreTrainedModel, StaticCacheSettings] = weakref.WeakKeyDictionary()
@@ -129,6 +138,8 @@ class StaticCacheRunner(ModelRunner):
         self.cache = StaticKVCache(_rounded(self.settings.capacity))  # type: ignore[assignment]
         check_decoder_logits(self.model, "a static KV cache")  # the pass is decoder + head
         self.graphs: dict[int, CapturedPass] = {}
+        self._cache_keyword = cache_keyword(self.model.get_decoder())  # looked up here, not in a traced pass
+        self._captured_fn = self._pass if not self.settings.compile else self._compiled_pass()
         self.graphs_failed: str | None = None  # why capturing was given up, if it was
         self._pool: object | None = None
 
@@ -181,11 +192,19 @@ class StaticCacheRunner(ModelRunner):
             input_ids=ids,
             position_ids=positions.view(1, -1),
             attention_mask={"full_attention": mask.view(1, 1, *allowed.shape)},
-            **cache_kwargs(decoder, cache),
+            **{self._cache_keyword: cache},
             use_cache=True,
         ).last_hidden_state  # (1, T, H)
         rows = hidden if num_logits is None else hidden[:, -num_logits:]
         return self._head(rows)[0], hidden[0]
+
+    def _compiled_pass(self) -> Callable[[torch.Tensor, torch.Tensor], PassOutputs]:
+        """:meth:`_pass` through ``torch.compile`` (``settings.compile_backend``; inductor without its
+        own CUDA graphs, which :class:`CapturedPass` makes), shapes static: one compilation per width."""
+        backend = self.settings.compile_backend
+        options = {"mode": "max-autotune-no-cudagraphs"} if backend == "inductor" else {}
+        compiled = torch.compile(self._pass, backend=backend, dynamic=False, fullgraph=False, **options)
+        return lambda ids, positions: compiled(ids, positions)
 
     @torch.inference_mode()
     def forward(
@@ -232,7 +251,7 @@ class StaticCacheRunner(ModelRunner):
                 if self._pool is None and not self.settings.stand_in:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = CapturedPass(
-                    self._pass, T, self.device, ids, positions, pool=self._pool, stand_in=self.settings.stand_in
+                    self._captured_fn, T, self.device, ids, positions, pool=self._pool, stand_in=self.settings.stand_in
                 )
             except Exception as error:  # noqa: BLE001 - any capture failure: eager passes stay correct
                 self.graphs_failed = f"{type(error).__name__}: {error}"
