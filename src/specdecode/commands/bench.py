@@ -172,8 +172,8 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "tor
         threads,
         exact,
         need_draft=need_draft,
-        device=args.device,
-        cuda_graphs=args.cuda_graphs,
+        device=getattr(args, "device", "auto"),
+        cuda_graphs=getattr(args, "cuda_graphs", True),
     )
     loaded = load_models(plan)
     # the llama.cpp peers run the target's GGUF file, on either backend (None: they are skipped)
