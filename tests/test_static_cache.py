@@ -72,7 +72,7 @@ def test_logits_equal_the_eager_runner_through_passes_and_rollbacks(stand_in: bo
     lb, hb = static.forward(ids[40:44], num_logits=2, return_hidden=True)
     torch.testing.assert_close(lb, la, rtol=0, atol=1e-4)
     torch.testing.assert_close(hb, ha, rtol=0, atol=1e-4)
-    assert sorted(static.graphs) == ([1, 3, 4, 5, 9, 20] if stand_in else [])
+    assert sorted(static.graphs) == ([1, 3, 4, 5, 9] if stand_in else [])  # the prefill runs eagerly
 
 
 def test_a_reduced_head_gives_the_eager_runners_rows() -> None:
@@ -119,7 +119,7 @@ def test_each_width_is_captured_once_and_replayed_with_fresh_inputs(monkeypatch)
         b = static.forward(ids[position : position + width], num_logits=width)
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4)  # stale ids or positions would differ
         position += width
-    assert captures == [10, 1, 4]
+    assert captures == [1, 4]  # the 10-token prefill runs eagerly
 
 
 def test_wide_passes_run_eagerly() -> None:
@@ -199,7 +199,7 @@ def test_greedy_equals_eager_target_only_for_every_proposer(models, tiny_tokeniz
     result = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none")
     assert result.token_ids == eager_greedy
     assert (result.stats.draft_tokens > 0) == (kind != "none")
-    assert generator.target.graphs, "no pass was replayed"
+    assert tree is not None or generator.target.graphs, "no chain pass was replayed"  # tree passes run eagerly
 
 
 @pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])
@@ -264,4 +264,4 @@ def test_a_compiled_pass_gives_the_eager_runners_logits() -> None:
     torch.testing.assert_close(
         static.forward(ids[30:34], num_logits=4), eager.forward(ids[30:34], num_logits=4), rtol=0, atol=1e-4
     )
-    assert sorted(static.graphs) == [1, 4, 12]
+    assert sorted(static.graphs) == [1, 4]

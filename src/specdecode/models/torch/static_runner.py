@@ -2,7 +2,8 @@
 
 :class:`StaticCacheRunner` is a :class:`~specdecode.models.torch.runner.ModelRunner` (same contract,
 same results) whose KV cache is preallocated (:class:`~specdecode.models.torch.static_cache.StaticKVCache`)
-and whose chain passes (:meth:`~StaticCacheRunner.forward`) of up to ``max_graph_width`` tokens are
+and whose chain passes (:meth:`~StaticCacheRunner.forward`) of up to ``max_graph_width`` tokens after
+the first (a prompt's prefill, whose length varies from prompt to prompt, runs eagerly) are
 captured once per width as CUDA graphs and replayed (:class:`~specdecode.models.torch.graphs.CapturedPass`):
 1 for plain decoding, ``k + 1`` for verification, the draft's catch-up widths. Longer passes (a
 prefill), token trees (:meth:`~ModelRunner.forward_masked`) and CPU devices run eagerly over the same
@@ -228,7 +229,7 @@ class StaticCacheRunner(ModelRunner):
         start = self.length
         self._reserve(start + T)
         positions = torch.arange(start, start + T)  # (T,) on the CPU: copied into the graph's buffer
-        if self.uses_graphs and T <= self.settings.max_graph_width:
+        if self.uses_graphs and T <= self.settings.max_graph_width and start > 0:  # not a prompt's prefill
             outputs = self._replay(input_ids.view(T), positions)
         else:
             outputs = None
