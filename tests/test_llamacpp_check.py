@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdecode.models.llamacpp import build, check
 
@@ -159,7 +160,18 @@ def test_doctor_reports_machine_build_check_and_backend(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert out.startswith("cpu: ") and "cores: " in out and "cpu flags: " in out
     assert "llama.cpp" in out
-    assert "--backend auto: " in out.splitlines()[-1]
+    assert "--backend auto: " in out.splitlines()[-2]
+    assert out.splitlines()[-1].startswith("--device auto (torch): ")
+
+
+def test_doctor_says_where_torch_runs(monkeypatch) -> None:
+    from specdecode.commands.doctor import torch_device_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert torch_device_line().startswith("--device auto (torch): cpu, --dtype auto = ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    line = torch_device_line()
+    assert line.startswith("--device auto (torch): cuda:0, --dtype auto = bfloat16, static KV cache and CUDA graphs")
 
 
 def test_a_later_setup_keeps_the_cmake_args_of_the_installed_build(tmp_path: Path, monkeypatch) -> None:

@@ -120,4 +120,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         status = 1 if args.check else 0
     backend, reason = explain_backend("auto", args.target)
     print(f"--backend auto: {backend} ({reason})")
+    print(torch_device_line())
     return status
+
+
+def torch_device_line() -> str:
+    """Where the torch backend runs under ``--device auto``, in which dtype, and whether CUDA graphs
+    replay its passes (:mod:`specdecode.models.torch.placement`)."""
+    from specdecode.models.torch.cpu import auto_dtype
+    from specdecode.models.torch.placement import resolve_device
+
+    device = resolve_device("auto")
+    graphs = ", static KV cache and CUDA graphs (--no-cuda-graphs: eager)" if device.type == "cuda" else ""
+    return f"--device auto (torch): {device}, --dtype auto = {auto_dtype(device)}{graphs}"
