@@ -124,7 +124,9 @@ def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
         check_bench(argv, done, tmp_path / "bench")
     elif argv[0] == "doctor":  # the machine, the build, its smoke test (passed: these tests run on it), the choice
         assert done.stdout.startswith("cpu: ") and "smoke test" in done.stdout and "passed" in done.stdout, done.stdout
-        assert done.stdout.strip().splitlines()[-1].startswith("--backend auto: llamacpp"), done.stdout
+        lines = done.stdout.strip().splitlines()
+        assert lines[-2].startswith("--backend auto: llamacpp"), done.stdout
+        assert lines[-1].startswith("--device auto (torch): "), done.stdout
     else:
         assert done.stdout.strip(), "no output"
 
