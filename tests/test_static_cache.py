@@ -265,3 +265,29 @@ def test_a_compiled_pass_gives_the_eager_runners_logits() -> None:
         static.forward(ids[30:34], num_logits=4), eager.forward(ids[30:34], num_logits=4), rtol=0, atol=1e-4
     )
     assert sorted(static.graphs) == [1, 4]
+
+
+def test_the_verification_widths_are_captured_after_the_prefill(models, tiny_tokenizer, eager_greedy) -> None:
+    """The engine asks the target to prepare widths 1 .. k + 1 right after the prefill, so that no
+    capture falls inside the decoding steps; the placeholder passes change no token."""
+    placed = place(models, "cpu", STAND_IN)
+    generator = make_generator("prompt_lookup", placed, tiny_tokenizer)
+    result = generator.generate(PROMPT, GREEDY, raw=True, num_speculative_tokens=6)
+    assert result.token_ids == eager_greedy
+    assert sorted(generator.target.graphs) == list(range(1, 8))
+    alone = make_generator("none", place(models, "cpu", STAND_IN), tiny_tokenizer)
+    assert tokens(alone, GREEDY) == eager_greedy and sorted(alone.target.graphs) == [1]
+
+
+def test_prepare_widths_keeps_the_sequence() -> None:
+    model = make_tiny_model(seed=5)
+    eager, static = pairs(model)
+    ids = torch.randint(0, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    eager.forward(ids[:10])
+    static.forward(ids[:10])
+    static.prepare_widths([1, 3, 5, 200])  # 200: wider than max_graph_width, not captured
+    assert static.length == 10 and sorted(static.graphs) == [1, 3, 5]
+    for start, n in ((10, 3), (13, 1), (14, 5)):
+        torch.testing.assert_close(
+            static.forward(ids[start : start + n], n), eager.forward(ids[start : start + n], n), rtol=0, atol=1e-4
+        )

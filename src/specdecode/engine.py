@@ -335,6 +335,8 @@ class SpeculativeGenerator:
         )  # (1, V): prefill
         stats.prefill_time_s += time.perf_counter() - tic
         state.after_prefill(hidden)  # (T, H): every prompt position
+        chain = proposer is not None and tree is None  # the widths of the passes to come: 1 + drafted,
+        target.prepare_widths(range(1, schedule.k + 2) if chain else (1,))  # up to the starting k; CUDA graphs
         result = state.verify(DraftTokens.empty(), logits)  # under a constraint: the masked distribution
         yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked
         while state.finish_reason is None:

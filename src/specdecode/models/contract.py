@@ -27,7 +27,7 @@ length per row, a slot per row that moves with it), written once for both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -185,6 +185,13 @@ class Runner(Protocol):
     def compact(self, keep: torch.Tensor) -> None:
         """After a tree pass, keep the cache entries ``keep`` (int64 ``[n]``, increasing, on the
         CPU: the accepted root path) right after the entries before ``keep[0]``; drop the rest."""
+        ...
+
+    def prepare_widths(self, widths: Iterable[int]) -> None:
+        """Get ready for chain passes of these widths (tokens per :meth:`forward`), called after
+        the prefill: a runner that replays CUDA graphs captures them now, outside the decoding steps
+        (:class:`~specdecode.models.torch.static_runner.StaticCacheRunner`); others do nothing. The
+        cached sequence is unchanged."""
         ...
 
 

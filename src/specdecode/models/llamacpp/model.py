@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -356,6 +357,9 @@ class LlamaCppRunner:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")  # logits come back in host memory, whatever llama.cpp ran on
+
+    def prepare_widths(self, widths: Iterable[int]) -> None:
+        """Nothing to prepare (the runner contract's hook for runners that capture CUDA graphs)."""
 
     def reset(self) -> None:
         """Forget the whole sequence."""

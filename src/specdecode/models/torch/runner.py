@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +235,10 @@ class ModelRunner:
         if self.head_ids is not None:
             return self.head_module(hidden).float()
         return self.model.get_output_embeddings()(hidden).float()
+
+    def prepare_widths(self, widths: Iterable[int]) -> None:
+        """Nothing to prepare: eager passes (the runner contract's hook for runners that capture
+        CUDA graphs, :class:`~specdecode.models.torch.static_runner.StaticCacheRunner`)."""
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (rollback).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -241,6 +241,21 @@ class StaticCacheRunner(ModelRunner):
         self.length = start + T
         logits = logits[-num_logits:].clone()  # (num_logits, V): the graph's buffer is reused
         return (logits, hidden.clone()) if return_hidden else logits
+
+    @torch.inference_mode()
+    def prepare_widths(self, widths: Iterable[int]) -> None:
+        """Capture the passes of these widths now (those not captured yet, up to ``max_graph_width``;
+        nothing where graphs are not used): their warm-up writes placeholder keys and values past
+        :attr:`length`, which the next real pass overwrites and the mask hides until then."""
+        if not self.uses_graphs:
+            return
+        for T in sorted({int(w) for w in widths}):
+            if not 1 <= T <= self.settings.max_graph_width or T in self.graphs:
+                continue
+            self._reserve(self.length + T)
+            ids = torch.zeros(T, dtype=torch.int64)
+            if self._replay(ids, torch.arange(self.length, self.length + T)) is None:
+                return  # capturing failed: eager from now on (said once on stderr)
 
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> PassOutputs | None:
         """The captured pass of width ``len(ids)``, captured now if new; None if capturing failed
