@@ -472,9 +472,17 @@ def test_serve_cli_with_a_draft_of_another_vocabulary_answers_a_chat(tiny_tokeni
     for folder, tokenizer, seed in ((target_dir, tiny_tokenizer, 0), (draft_dir, draft_tokenizer, 3)):
         make_tiny_model(vocab_size=len(tokenizer), seed=seed).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+    from specdecode.serve.scheduler import Scheduler
+
     served: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    events: list[str] = []
+    calibrate = Scheduler.calibrate
+    monkeypatch.setattr(Scheduler, "calibrate", lambda self: events.append("cost model") or calibrate(self))
+    monkeypatch.setattr(
+        uvicorn, "run", lambda app, **options: events.append("uvicorn") or served.update(app=app, **options)
+    )
     assert main(["serve", "--target", str(target_dir), "--draft", str(draft_dir), "--dtype", "float32"]) == 0
+    assert events == ["cost model", "uvicorn"]  # measured before uvicorn installs its SIGTERM handler
     assert "using --proposer cross_tokenizer" in capsys.readouterr().err
     assert served["port"] == 8000
     with TestClient(served["app"]) as client:

@@ -192,7 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if loaded.proposer != settings.proposer:  # two GGUF files of other vocabularies: cross_tokenizer
         settings = dataclasses.replace(settings, proposer=loaded.proposer)
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
-    app, _ = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True)
+    app, scheduler = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True)
+    scheduler.measure_cost_model()  # before uvicorn's signal handlers: SIGTERM meanwhile stops the process at once
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -203,15 +203,22 @@ class Scheduler:
             self._aborts.add(request_id)
             self._cond.notify()
 
+    def measure_cost_model(self) -> None:
+        """Measure the cost model now if ``adaptive`` speculation needs it and none was given (else
+        nothing): ``specdecode serve`` calls it before the web server starts, so that a SIGTERM or
+        Ctrl-C during the minutes it may take stops the process at once (uvicorn's own handlers,
+        installed later, only flag a shutdown that its start-up would wait out)."""
+        if self.cost is None and self.settings.speculation == "adaptive":
+            self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
+
     def start(self, thread: bool = True) -> None:
-        """Measure the cost model if needed, then start the scheduler thread.
+        """Measure the cost model if needed (:meth:`measure_cost_model`), then start the scheduler thread.
 
         Args:
             thread: False accepts requests without starting the thread; the caller then drives
                 the loop with :meth:`run_once` (tests, debugging).
         """
-        if self.cost is None and self.settings.speculation == "adaptive":
-            self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
+        self.measure_cost_model()
         with self._cond:
             self._running = True
         if thread:
