@@ -209,6 +209,22 @@ def make_prompts(vocab: int, length: int, count: int) -> list[list[int]]:
     return prompts
 
 
+def pass_ms(runner: Any, x: Any, depth: int, reps: int, warmups: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median milliseconds of ``runner.forward(x)`` (every row scored) at ``depth`` cached tokens, over
+    ``reps`` passes after ``warmups`` untimed ones, ``sync`` (the device's) around each; the runner is
+    truncated back to ``depth`` after each pass."""
+    times = []
+    for i in range(reps + warmups):
+        sync()
+        t = time.perf_counter()
+        runner.forward(x, num_logits=int(x.shape[0]))
+        sync()
+        if i >= warmups:
+            times.append(time.perf_counter() - t)
+        runner.truncate(depth)
+    return round(statistics.median(times) * 1000, 3)
+
+
 def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> None:
     """Measure and write ``result_path`` after every measurement (a timeout keeps what was measured)."""
     import torch
@@ -286,16 +302,7 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
                     row: dict[str, float] = {}
                     for n in ns:
                         x = torch.randint(0, vocab, (n,), generator=g)
-                        times = []
-                        for i in range(reps + 2):
-                            sync()
-                            t = time.perf_counter()
-                            runner.forward(x, num_logits=n)
-                            sync()
-                            if i >= 2:  # two warm-ups (the first replay of a width captures it)
-                                times.append(time.perf_counter() - t)
-                            runner.truncate(depth)
-                        row[str(n)] = round(statistics.median(times) * 1000, 3)
+                        row[str(n)] = pass_ms(runner, x, depth, reps, warmups=2, sync=sync)
                         res["pass_cost_ms"][key] = row
                         save()
                     if kind == "graphs":
@@ -417,15 +424,7 @@ def stage_compiled(res: dict[str, Any], save: Callable[[], None], target: Any, m
                 out["argmax_equal_to_graphs"][str(n)] = f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{n}"
                 runner.truncate(depth)
                 plain.truncate(depth)
-                times = []
-                for _ in range(reps):
-                    sync()
-                    t = time.perf_counter()
-                    runner.forward(x, num_logits=n)
-                    sync()
-                    times.append(time.perf_counter() - t)
-                    runner.truncate(depth)
-                out["pass_cost_ms"][str(n)] = round(statistics.median(times) * 1000, 3)
+                out["pass_cost_ms"][str(n)] = pass_ms(runner, x, depth, reps, warmups=0, sync=sync)
                 save()
         if runner.graphs_failed:
             res["errors"]["compiled graphs"] = runner.graphs_failed
@@ -674,14 +673,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
             row: dict[str, float] = {}
             for n in ns:
                 x = torch.randint(0, vocab, (n,), generator=g)
-                times = []
-                for i in range(reps + 1):
-                    t = time.perf_counter()
-                    runner.forward(x, num_logits=n)
-                    if i:
-                        times.append(time.perf_counter() - t)
-                    runner.truncate(depth)
-                row[str(n)] = round(statistics.median(times) * 1000, 2)
+                row[str(n)] = pass_ms(runner, x, depth, reps, warmups=1)
                 res["pass_cost_ms"][label] = row
                 write_json(result_path, res)
             try:

@@ -104,7 +104,7 @@ def explain_backend(
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend != "auto":
         return backend, f"--backend {backend} was asked for"
-    on_gpu = torch.cuda.is_available() and torch.device(device if device != "auto" else "cuda").type == "cuda"
+    on_gpu = torch.cuda.is_available() and (device == "auto" or torch.device(device).type == "cuda")
     if not llamacpp_available():
         why = "a CUDA GPU is present: torch runs the models on it" if on_gpu else "llama-cpp-python is not installed"
         return "torch", why

@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 from specdecode.models.contract import RowTable, RunnerCapabilities
 from specdecode.models.torch.compat import cache_kwargs
 from specdecode.models.torch.runner import check_decoder_logits
+from specdecode.models.torch.static_cache import grown_buffer
 
 _ATTENTION = ("sdpa", "eager")
 
@@ -74,17 +75,9 @@ class BatchedKVCache:
         self._first, self._positions, self._kv_length = first, positions, kv_length
         if kv_length > self.capacity:
             new = -(-kv_length // self.block) * self.block
-            for i in range(len(self.keys)):
-                self.keys[i] = self._grow(self.keys[i], new)
-                self.values[i] = self._grow(self.values[i], new)
+            self.keys = [grown_buffer(k, new) for k in self.keys]
+            self.values = [grown_buffer(v, new) for v in self.values]
             self.capacity = new
-
-    @staticmethod
-    def _grow(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-        rows, heads, old, dim = buffer.shape
-        grown = buffer.new_zeros(rows, heads, capacity, dim)
-        grown[:, :, :old] = buffer
-        return grown
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

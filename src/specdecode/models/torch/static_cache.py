@@ -22,6 +22,15 @@ from typing import Any
 import torch
 
 
+def grown_buffer(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A copy of a key or value buffer ``[rows, H_kv, positions, D]`` with ``capacity`` positions, the
+    held ones first, zeros after (a new tensor: views of the old one do not follow)."""
+    rows, heads, old, dim = buffer.shape
+    grown = buffer.new_zeros(rows, heads, capacity, dim)
+    grown[:, :, :old] = buffer
+    return grown
+
+
 @dataclass
 class StaticLayerBuffers:
     """One layer's keys and values, ``[1, H_kv, capacity, D]`` each, in the model's dtype and device."""
@@ -69,19 +78,10 @@ class StaticKVCache:
         if capacity <= self.capacity:
             return False
         self.capacity = capacity
-        moved = False
         for layer in self.layers:
-            layer.keys = self._grown(layer.keys, capacity)
-            layer.values = self._grown(layer.values, capacity)
-            moved = True
-        return moved
-
-    @staticmethod
-    def _grown(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-        rows, heads, old, dim = buffer.shape
-        grown = buffer.new_zeros(rows, heads, capacity, dim)
-        grown[:, :, :old] = buffer
-        return grown
+            layer.keys = grown_buffer(layer.keys, capacity)
+            layer.values = grown_buffer(layer.values, capacity)
+        return bool(self.layers)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

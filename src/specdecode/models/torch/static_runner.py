@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.models.contract import RunnerCapabilities
 from specdecode.models.torch.compat import cache_keyword
 from specdecode.models.torch.graphs import CapturedPass, PassOutputs
 from specdecode.models.torch.runner import ModelRunner, check_decoder_logits
@@ -119,11 +118,6 @@ class StaticCacheRunner(ModelRunner):
             through a ready-made 4D mask), as the batched runner.
     """
 
-    capabilities = RunnerCapabilities(
-        backend="torch", returns_hidden=True, trees=True, reduced_head=True, model_insides=True
-    )
-    """As :class:`~specdecode.models.torch.runner.ModelRunner`'s."""
-
     def __init__(
         self,
         model: PreTrainedModel,
@@ -204,8 +198,7 @@ class StaticCacheRunner(ModelRunner):
         own CUDA graphs, which :class:`CapturedPass` makes), shapes static: one compilation per width."""
         backend = self.settings.compile_backend
         options = {"mode": "max-autotune-no-cudagraphs"} if backend == "inductor" else {}
-        compiled = torch.compile(self._pass, backend=backend, dynamic=False, fullgraph=False, **options)
-        return lambda ids, positions: compiled(ids, positions)
+        return torch.compile(self._pass, backend=backend, dynamic=False, fullgraph=False, **options)  # type: ignore[return-value]
 
     @torch.inference_mode()
     def forward(
