@@ -197,6 +197,8 @@ def _machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nvcc: bool, gpu: s
     monkeypatch.setattr(build, "compiler_version", lambda: "g++ 13.3")
     monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/bin/nvcc" if nvcc else None)
     monkeypatch.setattr(build, "nvcc_version", lambda nvcc=None: "cuda_13.0")
+    monkeypatch.setattr(build, "libstdcxx_link_dir", lambda cxx=None: None)  # test_llamacpp_libstdcxx.py
+    monkeypatch.setattr(build, "_warn_if_embedded_libstdcxx", lambda: None)
 
     class Smi:
         returncode, stdout = (0, gpu) if gpu is not None else (9, "")

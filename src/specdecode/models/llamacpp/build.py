@@ -126,21 +126,88 @@ def compiler_version() -> str:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
-def _add_compiler_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``args`` with ``flags`` appended to ``CMAKE_C_FLAGS`` and ``CMAKE_CXX_FLAGS`` (merged into a
-    value the user set, else added)."""
+def _add_compiler_flags(
+    args: list[str], flags: tuple[str, ...], variables: tuple[str, ...] = ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS")
+) -> list[str]:
+    """``args`` with ``flags`` appended to each CMake variable of ``variables`` (default the C and C++
+    compiler flags; merged into a value the user set, else added)."""
     out, seen = [], set()
     for arg in args:
-        for var in ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS"):
+        for var in variables:
             for prefix in (f"-D{var}=", f"-D{var}:STRING="):
                 if arg.startswith(prefix):
                     arg = prefix + " ".join([arg[len(prefix) :].strip(), *flags]).strip()
                     seen.add(var)
         out.append(arg)
-    for var in ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS"):
+    for var in variables:
         if var not in seen:
             out.append(f"-D{var}={' '.join(flags)}")
     return out
+
+
+LINKER_FLAG_VARIABLES = ("CMAKE_SHARED_LINKER_FLAGS", "CMAKE_MODULE_LINKER_FLAGS", "CMAKE_EXE_LINKER_FLAGS")
+"""The CMake variables :func:`cmake_args` adds the shared-libstdc++ search folder to."""
+
+
+def _print_file_name(cxx: str, name: str) -> str | None:
+    """The absolute path ``cxx -print-file-name=<name>`` gives, if that file exists; else None
+    (GCC and Clang print the bare name when their library search finds nothing)."""
+    try:
+        out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = out.stdout.strip()
+    return path if out.returncode == 0 and os.path.isabs(path) and os.path.exists(path) else None
+
+
+def _ldconfig_path(soname: str) -> str | None:
+    """Where ``ldconfig -p`` says the dynamic loader finds ``soname`` (x86-64 / the first entry), or None."""
+    for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        try:
+            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        paths = [line.rsplit("=>", 1)[1].strip() for line in out.splitlines()
+                 if line.strip().startswith(soname + " ") and "=>" in line]
+        best = [p for p in paths if "x86-64" in p or "64" in p] or paths
+        if best:
+            return best[0]
+    return None
+
+
+def libstdcxx_link_dir(cxx: str | None = None) -> Path | None:
+    """A folder holding ``libstdc++.so`` (a link to the system's shared C++ runtime) for the linker,
+    or None where the C++ compiler (``$CXX``, else ``c++``) finds the shared runtime itself (the usual
+    case) or this is not Linux.
+
+    Why: where a GCC installation lacks its ``libstdc++.so`` development link, ``g++`` silently links
+    ``libstdc++.a`` into every shared library. llama.cpp then carries its own C++ runtime beside the
+    system one that numpy (and so every specdecode process) loads; if the two come from different
+    GCC releases, their locale facet indices disagree and llama.cpp segfaults at the first number it
+    formats through a C++ stream (``print_info`` during the model load; GCC bug 67903, llama.cpp
+    PR #22434). This was seen on the lent GPU machine's host (docs/results/issue42-h100/llamacpp-crash.md).
+    Linking against the runtime the process loads anyway avoids the second copy.
+
+    Creates ``<cache>/libstdcxx-link/libstdc++.so`` when it returns a folder (idempotent).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx or _print_file_name(cxx, "libstdc++.so") is not None:
+        return None
+    runtime = _print_file_name(cxx, "libstdc++.so.6") or _ldconfig_path("libstdc++.so.6")
+    if runtime is None:
+        return None
+    folder = cache_root() / "libstdcxx-link"
+    link = folder / "libstdc++.so"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (link.is_symlink() and os.readlink(link) == runtime):
+            link.unlink(missing_ok=True)
+            link.symlink_to(runtime)
+    except OSError:
+        return None
+    return folder
 
 
 def _defined(args: list[str]) -> set[str]:
@@ -170,7 +237,8 @@ def cmake_args(
     environment) first, then :data:`BASE_CMAKE_ARGS`, then the flavour's flags (``cuda``: the
     native flavour's and :func:`cuda_cmake_args` of ``cuda_arch``, less any variable the user set).
     On x86-64 with GCC or Clang, AMX is kept out (:data:`NO_AMX_FLAGS`) unless the user names a
-    ``GGML_AMX`` setting.
+    ``GGML_AMX`` setting. Where the compiler would link the C++ runtime statically,
+    :func:`libstdcxx_link_dir`'s folder is added to the linker's search path (:data:`LINKER_FLAG_VARIABLES`).
 
     Raises:
         ValueError: ``flavour`` is not one of :data:`FLAVOURS`, or ``cuda`` without ``cuda_arch``.
@@ -193,6 +261,8 @@ def cmake_args(
             args.append("-DGGML_NATIVE=OFF")
     if x86 and sys.platform != "win32" and not any("GGML_AMX" in a for a in args):
         args = _add_compiler_flags(args, NO_AMX_FLAGS)
+    if (link_dir := libstdcxx_link_dir()) is not None:  # the shared C++ runtime, never an embedded copy
+        args = _add_compiler_flags(args, (f"-L{link_dir}",), LINKER_FLAG_VARIABLES)
     return args
 
 
@@ -411,6 +481,7 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
         print(f"llama.cpp: installing the cached build {key} ({flavour})", flush=True)
     _pip("install", "-q", "--force-reinstall", "--no-deps", str(wheels[-1]))
     _pip("install", "-q", str(wheels[-1]))  # its dependencies (numpy, diskcache, jinja2, ...)
+    _warn_if_embedded_libstdcxx()
     record = {**spec, "key": key, "wheel": str(wheels[-1])}
     (Path(sys.prefix) / RECORD_NAME).write_text(json.dumps(record, indent=1))
     return record
@@ -456,6 +527,46 @@ def _build_wheel(spec: dict[str, Any], key: str) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return sorted(folder.glob("llama_cpp_python-*.whl"))[-1]
+
+
+def embedded_libstdcxx(lib_dir: str | Path) -> list[str]:
+    """The C++ libraries of a llama.cpp build (``libllama``, ``libggml-base``, ``libggml-cpu``,
+    ``libggml-cuda`` in ``lib_dir``) that do not load the shared ``libstdc++.so.6``: each carries its
+    own C++ runtime, which can crash beside the system's (:func:`libstdcxx_link_dir`). Empty where
+    all are fine, or where ``readelf`` (binutils) is missing."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return []
+    found = []
+    for lib in sorted(Path(lib_dir).glob("lib*.so")):
+        if not lib.name.startswith(("libllama", "libggml-base", "libggml-cpu", "libggml-cuda")):
+            continue
+        try:
+            dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if dynamic and "libstdc++" not in dynamic:
+            found.append(lib.name)
+    return found
+
+
+def _warn_if_embedded_libstdcxx() -> None:
+    """Print a warning if the installed build's libraries carry their own C++ runtime."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    libs = embedded_libstdcxx(Path(next(iter(spec.submodule_search_locations))) / "lib")
+    if libs:
+        print(
+            f"llama.cpp: WARNING: {', '.join(libs)} link the C++ runtime statically (no libstdc++.so.6 "
+            "needed); beside the system's runtime this can crash at the first model load (GCC bug 67903). "
+            "Install your compiler's libstdc++ development package (e.g. libstdc++-13-dev). The smoke "
+            "test decides whether this build is used.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _importable() -> bool:
