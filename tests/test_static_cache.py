@@ -267,6 +267,13 @@ def test_a_compiled_pass_gives_the_eager_runners_logits() -> None:
     assert sorted(static.graphs) == [1, 4]
 
 
+def test_a_compile_mode_with_inductors_own_graphs_is_refused() -> None:
+    """The runner captures its own CUDA graphs: ``reduce-overhead`` (inductor's) is refused by name."""
+    settings = StaticCacheSettings(stand_in=True, compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="compile_mode"):
+        StaticCacheRunner(make_tiny_model(seed=4), settings=settings)
+
+
 def test_the_verification_widths_are_captured_after_the_prefill(models, tiny_tokenizer, eager_greedy) -> None:
     """The engine asks the target to prepare widths 1 .. k + 1 right after the prefill, so that no
     capture falls inside the decoding steps; the placeholder passes change no token."""

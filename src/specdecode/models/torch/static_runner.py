@@ -51,6 +51,10 @@ class StaticCacheSettings:
             process), see docs/design.md §2c.
         compile_backend: ``torch.compile``'s backend (``"inductor"``; ``"eager"`` traces without
             generating code: CPU tests of the traced pass).
+        compile_mode: ``torch.compile``'s mode for inductor: None (its default: fused kernels,
+            seconds per width) or ``"max-autotune-no-cudagraphs"`` (also tries matrix-product
+            kernels: minutes per width). Never a mode with inductor's own CUDA graphs: the runner
+            captures its own.
     """
 
     cuda_graphs: bool = True
@@ -59,6 +63,7 @@ class StaticCacheSettings:
     stand_in: bool = False
     compile: bool = False
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
 
 
 _MARKED: weakref.WeakKeyDictionary[PreTrainedModel, StaticCacheSettings] = weakref.WeakKeyDictionary()
@@ -197,7 +202,10 @@ class StaticCacheRunner(ModelRunner):
         """:meth:`_pass` through ``torch.compile`` (``settings.compile_backend``; inductor without its
         own CUDA graphs, which :class:`CapturedPass` makes), shapes static: one compilation per width."""
         backend = self.settings.compile_backend
-        options = {"mode": "max-autotune-no-cudagraphs"} if backend == "inductor" else {}
+        mode = self.settings.compile_mode
+        if mode is not None and mode not in ("default", "max-autotune-no-cudagraphs"):
+            raise ValueError(f"compile_mode must be None, 'default' or 'max-autotune-no-cudagraphs', got {mode!r}")
+        options = {"mode": mode} if backend == "inductor" and mode is not None else {}
         return torch.compile(self._pass, backend=backend, dynamic=False, fullgraph=False, **options)  # type: ignore[return-value]
 
     @torch.inference_mode()
