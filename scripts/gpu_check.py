@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -225,11 +226,43 @@ def pass_ms(runner: Any, x: Any, depth: int, reps: int, warmups: int, sync: Call
     return round(statistics.median(times) * 1000, 3)
 
 
-def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> None:
-    """Measure and write ``result_path`` after every measurement (a timeout keeps what was measured)."""
+def random_models(res: dict[str, Any], save: Callable[[], None], dev: Any, dtype: Any, dry: bool,
+                  names: tuple[str, ...] = ("target", "draft")) -> dict[str, Any]:
+    """The default pair's architecture with random weights (tiny models in a dry run), by name; a
+    model that cannot be built is left out and its error recorded in ``res["errors"]``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    configs = {"target": TINY_TARGET_CONFIG if dry else TARGET_CONFIG,
+               "draft": TINY_DRAFT_CONFIG if dry else DRAFT_CONFIG}
+    models: dict[str, Any] = {}
+    for name in names:
+        try:
+            t0 = time.perf_counter()
+            config = Qwen2Config(**configs[name])
+            config.eos_token_id = config.bos_token_id = None  # random weights: never stop early
+            torch.manual_seed(0 if name == "target" else 1)
+            with torch.device(dev):
+                model = Qwen2ForCausalLM(config).to(dtype).eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.bos_token_id = None
+            model.generation_config.pad_token_id = 0
+            models[name] = model
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            res[f"{name}_build_s"] = round(time.perf_counter() - t0, 1)
+        except Exception as error:  # noqa: BLE001 - recorded, the others go on
+            res["errors"][f"build {name}"] = error_text(error)
+        save()
+    return models
+
+
+def stage_torch(result_path: Path, dry: bool, quick: bool = False) -> None:
+    """Measure and write ``result_path`` after every measurement (a timeout keeps what was measured).
+    ``quick``: the graphs runners and transformers' plain ``generate`` only (no eager curves, eager
+    identity rows or eager methods, which change little between runs)."""
     import torch
     import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cuda = torch.cuda.is_available() and not dry
     dev = torch.device("cuda" if cuda else "cpu")
@@ -254,26 +287,8 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
     prompt_len, n_prompts = (48, 3) if dry else (256, 3)
     depth, reps = (40, 3) if dry else (400, 10)
     res["settings"] = {"new_tokens": new_tokens, "prompt_tokens": prompt_len, "prompts": n_prompts,
-                       "pass_cost_depth": depth, "pass_cost_reps": reps}
-    models: dict[str, Any] = {}
-    for name, cfg in (("target", TINY_TARGET_CONFIG if dry else TARGET_CONFIG),
-                      ("draft", TINY_DRAFT_CONFIG if dry else DRAFT_CONFIG)):
-        try:
-            t0 = time.perf_counter()
-            config = Qwen2Config(**cfg)
-            config.eos_token_id = config.bos_token_id = None  # random weights: never stop early
-            torch.manual_seed(0 if name == "target" else 1)
-            with torch.device(dev):
-                model = Qwen2ForCausalLM(config).to(dtype).eval()
-            model.generation_config.eos_token_id = None
-            model.generation_config.bos_token_id = None
-            model.generation_config.pad_token_id = 0
-            models[name] = model
-            sync()
-            res[f"{name}_build_s"] = round(time.perf_counter() - t0, 1)
-        except Exception as error:  # noqa: BLE001 - recorded, the others go on
-            res["errors"][f"build {name}"] = error_text(error)
-        save()
+                       "pass_cost_depth": depth, "pass_cost_reps": reps, "quick": quick}
+    models = random_models(res, save, dev, dtype, dry)
     target, draft = models.get("target"), models.get("draft")
     if target is None:
         return
@@ -288,7 +303,8 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
     def make(kind: str, model: Any) -> Any:
         return ModelRunner(model) if kind == "eager" else StaticCacheRunner(model, settings=graph_settings)
 
-    for kind in ("eager", "graphs"):
+    kinds = ("graphs",) if quick else ("eager", "graphs")
+    for kind in kinds:
         for label, model, ns in (("target", target, PASS_NS + (prompt_len,)), ("draft", draft, (1, 2, 3, 5, 9))):
             if model is None:
                 continue
@@ -316,7 +332,7 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
 
     # greedy identity per verification width: the argmax of each row of one W-token pass against
     # one-token passes over the same tokens (dtype rounding differs with the pass's shape)
-    for kind in ("eager", "graphs"):
+    for kind in kinds:
         try:
             runner = make(kind, target)
             vocab = target.config.vocab_size
@@ -343,7 +359,7 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
             save()
 
     prompts = make_prompts(target.config.vocab_size, prompt_len, n_prompts)
-    methods = torch_methods(target, draft, new_tokens, dev, graph_settings)
+    methods = torch_methods(target, draft, new_tokens, dev, graph_settings, quick)
     outputs: dict[str, list[list[int]]] = {}
     for name, run in methods:
         entry: dict[str, Any] = {}
@@ -383,15 +399,14 @@ def stage_torch(result_path: Path, dry: bool, compile_passes: bool = False) -> N
             same = sum(a == b for a, b in zip(outs, outputs[reference], strict=True))
             res["methods"][name]["identical_to"] = f"{reference}: {same}/{len(outs)} prompts"
     save()
-    if compile_passes:
-        stage_compiled(res, save, target, make, prompts[0], new_tokens, depth, reps, sync, dry)
 
 
-def stage_compiled(res: dict[str, Any], save: Callable[[], None], target: Any, make: Callable, prompt: list[int],
-                   new_tokens: int, depth: int, reps: int, sync: Callable[[], None], dry: bool) -> None:
-    """``--compile``: the static-cache runner with ``torch.compile`` (inductor) before the capture:
-    seconds to compile and capture each width, pass costs at widths 1, 5, 9, the argmax rows equal to
-    the uncompiled graphs runner's, and greedy tok/s of the target alone over one prompt."""
+def stage_compile(result_path: Path, dry: bool) -> None:
+    """The target's static-cache runner with ``torch.compile`` (inductor, default mode) before the
+    capture, written to ``result_path`` after each measurement: first greedy tok/s of the target
+    alone (128 new tokens after a 256-token prompt; compiling and capturing width 1 in a warm-up),
+    then seconds to compile and capture widths 1 and 9 in a runner of its own, their pass costs
+    (400 cached) and the argmax rows equal to the uncompiled graphs runner's."""
     import torch
 
     from specdecode import SamplingParams, SpeculativeGenerator
@@ -402,18 +417,59 @@ def stage_compiled(res: dict[str, Any], save: Callable[[], None], target: Any, m
         use_static_cache,
     )
 
+    cuda = torch.cuda.is_available() and not dry
+    dev = torch.device("cuda" if cuda else "cpu")
+    out: dict[str, Any] = {"compile_s": {}, "pass_cost_ms": {}, "argmax_equal_to_graphs": {}, "errors": {},
+                           "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)"}
+    save = lambda: write_json(result_path, out)  # noqa: E731
+    save()
+    if not cuda and not dry:
+        out["errors"]["compile"] = "CUDA is not available; nothing timed"
+        save()
+        return
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    target = random_models(out, save, dev, torch.bfloat16 if cuda else torch.float32, dry, ("target",)).get("target")
+    if target is None:
+        return
+    new_tokens, prompt_len = (16, 48) if dry else (128, 256)
+    depth, reps = (40, 3) if dry else (400, 10)
+    prompt = make_prompts(target.config.vocab_size, prompt_len, 1)[0]
     settings = StaticCacheSettings(stand_in=dry, compile=True, compile_backend="eager" if dry else "inductor")
-    out: dict[str, Any] = {"compile_s": {}, "pass_cost_ms": {}, "argmax_equal_to_graphs": {}}
-    res["compiled"] = out
     try:
-        runner, plain = StaticCacheRunner(target, settings=settings), make("graphs", target)
+        use_static_cache(target, settings)
+        try:
+            generator = SpeculativeGenerator(target, tokenizer=None)
+        finally:
+            forget_static_cache(target)
+        t = time.perf_counter()
+        generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4))  # compiles and captures 1
+        sync()
+        out["compile_s"]["generator, width 1"] = round(time.perf_counter() - t, 1)
+        save()
+        sync()
+        t = time.perf_counter()
+        result = generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens))
+        sync()
+        out["target_tok_s"] = round(len(result.token_ids) / (time.perf_counter() - t), 1)
+        save()
+        del generator
+    except Exception as error:  # noqa: BLE001
+        out["errors"]["compiled target alone"] = error_text(error)
+        save()
+    try:
+        runner = StaticCacheRunner(target, settings=settings)
+        plain = StaticCacheRunner(target, settings=StaticCacheSettings(stand_in=dry))
         g = torch.Generator().manual_seed(0)
         vocab = min(target.config.vocab_size, 150000)
         with torch.inference_mode():
             context = torch.randint(0, vocab, (depth,), generator=g)
             runner.forward(context)
             plain.forward(context)
-            for n in (1, 5, 9):
+            for n in (1, 9):
                 x = torch.randint(0, vocab, (n,), generator=g)
                 sync()
                 t = time.perf_counter()
@@ -427,22 +483,9 @@ def stage_compiled(res: dict[str, Any], save: Callable[[], None], target: Any, m
                 out["pass_cost_ms"][str(n)] = pass_ms(runner, x, depth, reps, warmups=0, sync=sync)
                 save()
         if runner.graphs_failed:
-            res["errors"]["compiled graphs"] = runner.graphs_failed
-        del runner, plain
-        use_static_cache(target, settings)
-        try:
-            generator = SpeculativeGenerator(target, tokenizer=None)
-        finally:
-            forget_static_cache(target)
-        sampling = SamplingParams(temperature=0, max_new_tokens=new_tokens)
-        generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4))  # compiles and captures 1
-        sync()
-        t = time.perf_counter()
-        result = generator.generate(prompt, sampling)
-        sync()
-        out["target_tok_s"] = round(len(result.token_ids) / (time.perf_counter() - t), 1)
+            out["errors"]["compiled graphs"] = runner.graphs_failed
     except Exception as error:  # noqa: BLE001
-        res["errors"]["compiled"] = error_text(error)
+        out["errors"]["compiled passes"] = error_text(error)
     save()
 
 
@@ -467,10 +510,11 @@ def predict_seconds(costs: dict[str, dict[str, float]], name: str, infos: list[d
 
 
 def torch_methods(
-    target: Any, draft: Any, new_tokens: int, dev: Any, graph_settings: Any
+    target: Any, draft: Any, new_tokens: int, dev: Any, graph_settings: Any, quick: bool = False
 ) -> list[tuple[str, Callable]]:
     """(name, run(prompt ids, max new tokens) -> (new ids, info)) for every method timed; ``*_graphs``:
-    specdecode's runners with a static KV cache and CUDA graphs (``graph_settings``)."""
+    specdecode's runners with a static KV cache and CUDA graphs (``graph_settings``); ``quick``:
+    transformers' plain ``generate`` and the ``*_graphs`` methods only."""
     import torch
 
     from specdecode.models.torch.static_runner import forget_static_cache, use_static_cache
@@ -528,6 +572,8 @@ def torch_methods(
     methods.append(("specdecode_prompt_lookup_graphs", ours("prompt_lookup", graphs=True)))
     if draft is not None:
         methods.append(("specdecode_draft_model_graphs", ours("draft_model", graphs=True)))
+    if quick:
+        return methods
     methods.append(("specdecode_target", ours("target")))
     methods.append(("hf_prompt_lookup", hf(prompt_lookup_num_tokens=8)))
     methods.append(("specdecode_prompt_lookup", ours("prompt_lookup")))
@@ -568,8 +614,22 @@ def llama_cmake_args(dry: bool) -> tuple[str, str]:
     return " ".join(shlex.quote(a) for a in [*args, *SLIM_CMAKE_ARGS]), what
 
 
-def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry: bool) -> Child | str:
-    """Start building the carried slim llama-cpp-python into ``site``; a Child, or why not."""
+def split_cores(dry: bool) -> tuple[set[int], set[int]] | None:
+    """(cores for the build, cores for everything else) where this process may use 8 or more cores
+    (not in a dry run): the build runs beside the timings on cores of its own instead of pausing
+    while they run; None: pause it."""
+    if dry or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 8:
+        return None
+    return set(cores[4:]), set(cores[:4])
+
+
+def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry: bool,
+                         cores: set[int] | None = None) -> Child | str:
+    """Start building the carried slim llama-cpp-python into ``site`` (on ``cores`` when given, with
+    as many parallel jobs); a Child, or why not."""
     tarball = gpu_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-slim.tar.gz"
     if not tarball.is_file():
         return f"no {tarball} (run 'bash scripts/gpu_check.sh prepare' here and carry {gpu_dir})"
@@ -580,7 +640,8 @@ def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry:
     except (subprocess.SubprocessError, OSError) as error:
         return f"could not unpack {tarball}: {error_text(error)}"
     cmake, what = llama_cmake_args(dry)
-    env = {**os.environ, "CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
+    jobs = len(cores) if cores else os.cpu_count() or 2
+    env = {**os.environ, "CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
     if not dry and "CUDACXX" not in env:
         nvcc = llama_build_module().find_nvcc()
         if nvcc:
@@ -590,7 +651,8 @@ def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry:
             str(src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}")]
     log(f"llamacpp: building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} ({what}; CMAKE_ARGS={cmake}) "
         "in the background")
-    return Child(["nice", "-n", "10", *args], work / "llama-build.log", env)
+    pin = ["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores and shutil.which("taskset") else []
+    return Child([*pin, "nice", "-n", "10", *args], work / "llama-build.log", env)
 
 
 def fill_gguf(header: Path, data_bytes: int, out: Path) -> None:
@@ -706,9 +768,45 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
                         res["methods"][name] = {"error": error_text(error)}
                     write_json(result_path, res)
             del model
+            if not exact:
+                try:
+                    res["methods"]["llama_cpp_python_generate"] = llama_cpp_python_plain(
+                        lib, gguf, prompts, new_tokens, threads)
+                except Exception as error:  # noqa: BLE001
+                    res["methods"]["llama_cpp_python_generate"] = {"error": error_text(error)}
+                write_json(result_path, res)
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
             write_json(result_path, res)
+
+
+def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_tokens: int,
+                           threads: int | None) -> dict[str, Any]:
+    """Greedy tok/s of llama-cpp-python's own ``Llama.generate`` on the same build and GGUF (every
+    layer on the GPU where the build offloads, the same context and batch as specdecode's runner):
+    the plain engine a user would otherwise run."""
+    kwargs: dict[str, Any] = {"n_ctx": 2048, "n_batch": 512, "verbose": False,
+                              "n_gpu_layers": -1 if lib.llama_supports_gpu_offload() else 0}
+    if threads:
+        kwargs.update(n_threads=threads, n_threads_batch=threads)
+    llm = lib.Llama(model_path=str(gguf), **kwargs)
+
+    def decode(prompt: list[int], n: int) -> int:
+        count = 0
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if count >= n:
+                break
+        return count
+
+    decode(prompts[0], 4)  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        t = time.perf_counter()
+        tokens += decode(prompt, new_tokens)
+        seconds += time.perf_counter() - t
+    llm.close()  # its context and model freed now, not at the next collection
+    return {"tok_s": round(tokens / seconds, 1), "new_tokens": tokens, "seconds": round(seconds, 3)}
 
 
 # --------------------------------------------------------------------------- here: GGUF header
@@ -847,12 +945,12 @@ def summary_markdown(res: dict[str, Any]) -> str:
               "measured / predicted | output | error |", "|---|---:|---:|---:|---:|---|---|"]
     methods = {**torch_res.get("methods", {}), **llama_res.get("methods", {})}
     for name, entry in methods.items():
-        base_name = "llamacpp_target" if name.startswith("llamacpp") else "specdecode_target"
+        base_name = "llamacpp_target" if name.startswith("llama") else "specdecode_target"
         base_name += "_graphs" if name.endswith("_graphs") else ""
         base = methods.get(base_name, {}).get("tok_s")
         tok_s = entry.get("tok_s")
         ratio = f"{tok_s / base:.2f}x" if tok_s and base else "—"
-        if name.startswith("llamacpp") and tok_s and base:
+        if name.startswith("llama") and tok_s and base:
             ratio += " (of llamacpp_target)"
         lines.append(f"| {name} | {fmt(tok_s)} | {ratio} | {fmt(entry.get('mean_acceptance_length'), 2)} | "
                      f"{fmt(entry.get('measured_over_predicted'), 2)} | "
@@ -886,8 +984,8 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   "| runner | " + " | ".join(f"W={w}" for w in widths) + " |", "|---|" + "---:|" * len(widths)]
         lines += [f"| {kind} | " + " | ".join(row.get(str(w), "—") for w in widths) + " |"
                   for kind, row in identity.items()]
-    compiled = torch_res.get("compiled")
-    if compiled:
+    compiled = stages.get("compile", {})
+    if compiled.get("compile_s"):
         lines += ["", f"torch.compile + graphs (target): compile+capture s {compiled.get('compile_s')}, pass ms "
                   f"{compiled.get('pass_cost_ms')}, argmax rows = uncompiled graphs "
                   f"{compiled.get('argmax_equal_to_graphs')}, target alone {compiled.get('target_tok_s', '—')} tok/s"]
@@ -907,6 +1005,9 @@ def summary_markdown(res: dict[str, Any]) -> str:
         detail = stage.get("note") or stage.get("exit") or ""
         lines.append(f"- {name}: {stage.get('status', '?')}{seconds}{' — ' + detail if detail else ''}")
         lines += [f"  - {key}: {message}" for key, message in stage.get("errors", {}).items()]
+        lines += [f"  - {key}: {stage[key]}" for key in ("libstdcxx_link_dir", "embedded_libstdcxx") if key in stage]
+        if "crash_diagnosis" in stage:
+            lines.append("  - crash diagnosis (libraries' NEEDED, facet bindings): in gpu_check.json")
     lines.append(f"\nTotal {res.get('seconds', '?')} s of a {res.get('budget_s', '?')} s budget.")
     return "\n".join(lines)
 
@@ -977,14 +1078,20 @@ def run(args: argparse.Namespace) -> int:
         env = {**env, "PYTHONPATH": f"{simulate}:{env.get('PYTHONPATH', '')}", "GPU_CHECK_SITE": args.site,
                "GPU_CHECK_MISSING": ",".join(MISSING_THERE), "OMP_NUM_THREADS": "1"}  # 1: a shared box's cores
         log(f"dry run: {', '.join(MISSING_THERE)} importable only from {args.site} (as on the GPU machine)")
-    limits = {"pytest": 60, "torch": 60, "cli": 150, "llamacpp": 90, "build": 15} if dry else \
-        {"pytest": 120, "torch": 240, "cli": 240, "llamacpp": 75, "build": args.budget}
+    limits = {"pytest": 60, "torch": 60, "cli": 150, "llamacpp": 90, "compile": 90, "build": 15} if dry else \
+        {"pytest": 120, "torch": 240, "cli": 240, "llamacpp": 120, "compile": 300, "build": args.budget}
     build: Child | str | None = None
+    split = split_cores(dry) if args.llamacpp else None
     if args.llamacpp:
         try:
-            build = start_llamacpp_build(python, gpu_dir, args.site, work, dry)
+            build = start_llamacpp_build(python, gpu_dir, args.site, work, dry, split[0] if split else None)
         except Exception as error:  # noqa: BLE001
             build = f"could not start the build: {error_text(error)}"
+    if split is not None and isinstance(build, Child):
+        os.sched_setaffinity(0, split[1])  # every later stage inherits these cores
+        res["cores"] = {"build": sorted(split[0]), "stages": sorted(split[1])}
+        log(f"llamacpp: the build runs on cores {min(split[0])}-{max(split[0])} beside the stages "
+            f"(cores {min(split[1])}-{max(split[1])}), not paused")
 
     # a: the CUDA tests (the build runs beside them)
     if "pytest" not in args.stages:
@@ -995,17 +1102,18 @@ def run(args: argparse.Namespace) -> int:
         except Exception as error:  # noqa: BLE001
             res["stages"]["pytest"] = {"status": "failed", "error": error_text(error)}
 
-    # b: timings on torch (the build paused: it would compete for the CPU that launches the kernels)
-    if isinstance(build, Child):
+    # b: timings on torch (the build paused where it shares the cores: it would compete for the CPU
+    # that launches the kernels)
+    pause = isinstance(build, Child) and split is None
+    if pause:
         build.signal(signal.SIGSTOP)
         paused = time.monotonic()
     if "torch" not in args.stages:
         res["stages"]["torch"] = {"status": "skipped", "note": "not asked for (--stages)"}
     elif left() > 10:
         try:
-            extra = (["--cpu-dry-run"] if dry else []) + (["--compile"] if args.compile else [])
-            limit = limits["torch"] + (240 if args.compile and not dry else 0)
-            res["stages"]["torch"] = run_child_stage("torch", python, env, work, limit_for(limit), extra)
+            extra = (["--cpu-dry-run"] if dry else []) + (["--quick"] if args.quick else [])
+            res["stages"]["torch"] = run_child_stage("torch", python, env, work, limit_for(limits["torch"]), extra)
         except Exception as error:  # noqa: BLE001
             res["stages"]["torch"] = {"status": "failed", "errors": {"stage": error_text(error)}}
     else:
@@ -1023,13 +1131,25 @@ def run(args: argparse.Namespace) -> int:
             res["stages"]["cli"] = {"status": "failed", "errors": {"stage": error_text(error)}}
     else:
         res["stages"]["cli"] = {"status": "skipped", "note": "out of time budget"}
-    if isinstance(build, Child):
+    if pause:
         build.paused_s = time.monotonic() - paused
         build.signal(signal.SIGCONT)
 
     # c: llama.cpp: finish the build within what is left, then time the GGUF
     if args.llamacpp:
-        res["stages"]["llamacpp"] = stage_llamacpp_all(build, python, llama_env, work, gpu_dir, dry, limits, left)
+        res["stages"]["llamacpp"] = stage_llamacpp_all(build, python, llama_env, work, gpu_dir, dry, limits, left,
+                                                       args.site)
+    # d: torch.compile last: its compilation takes minutes, and what it measures is a stretch
+    if "compile" not in args.stages:
+        res["stages"]["compile"] = {"status": "skipped", "note": "not asked for (--stages or --compile)"}
+    elif left() > 30:
+        try:
+            res["stages"]["compile"] = run_child_stage("compile", python, env, work, limit_for(limits["compile"]),
+                                                       ["--cpu-dry-run"] if dry else [])
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["compile"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+    else:
+        res["stages"]["compile"] = {"status": "skipped", "note": "out of time budget"}
 
     shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
     res["seconds"] = round(time.monotonic() - t_start, 1)
@@ -1045,8 +1165,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, str], work: Path, gpu_dir: Path,
-                       dry: bool, limits: dict[str, float], left: Callable[..., float]) -> dict[str, Any]:
+                       dry: bool, limits: dict[str, float], left: Callable[..., float], site: str) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": {}}
+    try:
+        linked = llama_build_module().libstdcxx_link_dir()
+        out["libstdcxx_link_dir"] = str(linked) if linked else "none needed (the compiler finds libstdc++.so)"
+    except Exception as error:  # noqa: BLE001
+        out["errors"]["libstdcxx_link_dir"] = error_text(error)
     if isinstance(build, str) or build is None:
         out["build"] = f"not built: {build}"
     else:
@@ -1058,6 +1183,11 @@ def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, st
         out["build_s"] = round(spent, 1)
         if rc == 0:
             out["build"] = f"built in {spent:.0f} s (CUDA)" if not dry else f"built in {spent:.0f} s (CPU)"
+            try:
+                embedded = llama_build_module().embedded_libstdcxx(Path(site) / "llama_cpp" / "lib")
+                out["embedded_libstdcxx"] = embedded or "none (every library needs the shared libstdc++.so.6)"
+            except Exception as error:  # noqa: BLE001
+                out["errors"]["embedded_libstdcxx"] = error_text(error)
         elif timed_out:
             out["build"] = (f"skipped: the build did not finish within its {spent:.0f} s budget (CUDA builds are slow;"
                             " give more with --budget)")
@@ -1096,6 +1226,8 @@ def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, st
         return out
     timed = run_child_stage("llamacpp", python, env, work, min(limits["llamacpp"], left()),
                             [str(gguf), *(["--cpu-dry-run"] if dry else [])])
+    if "SIGSEGV" in timed.get("exit", "") and not dry:
+        timed["crash_diagnosis"] = crash_diagnosis(python, env, site, gguf)
     try:
         gguf.unlink()
     except OSError:
@@ -1105,6 +1237,38 @@ def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, st
     return {**out, **timed}
 
 
+def crash_diagnosis(python: str, env: dict[str, str], site: str, gguf: Path) -> dict[str, str]:
+    """After a SIGSEGV in the llama.cpp stage (about 30 s): each library's dynamic section (which
+    C++ runtime it needs) and the dynamic loader's bindings of the C++ stream facets while
+    llama_cpp loads a GGUF header (docs/results/issue42-h100/llamacpp-crash.md)."""
+    out: dict[str, str] = {}
+    lib_dir = Path(site) / "llama_cpp" / "lib"
+    needed = []
+    for lib in sorted(lib_dir.glob("lib*.so")):
+        try:
+            text = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError) as error:
+            text = error_text(error)
+        needed.append(f"{lib.name}: " + " ".join(line.split()[-1] for line in text.splitlines() if "NEEDED" in line))
+    out["needed"] = "\n".join(needed)
+    script = ("import faulthandler, sys; faulthandler.enable(); import numpy, llama_cpp; "
+              "llama_cpp.llama_backend_init(); p = llama_cpp.llama_model_default_params(); "
+              "m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p); print('loaded', bool(m))")
+    try:
+        proc = subprocess.run([python, "-c", script, str(gguf)], capture_output=True, text=True, timeout=30,
+                              env={**env, "LD_DEBUG": "bindings"})
+        lines = [" ".join(line.split()[1:]) for line in proc.stderr.splitlines()
+                 if "num_put" in line and "2idE" in line]
+        out["bindings"] = "\n".join(lines[:40]) or "no num_put bindings logged"
+        out["exit"] = str(proc.returncode)
+        out["stdout_tail"] = proc.stdout[-500:]
+        own = [line for line in proc.stderr.splitlines() if not re.match(r"\s*\d+:\s", line)]  # not LD_DEBUG's
+        out["stderr_tail"] = "\n".join(own[-15:])
+    except (OSError, subprocess.SubprocessError) as error:
+        out["bindings"] = error_text(error)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1112,9 +1276,12 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--cpu-dry-run", action="store_true", help="tiny models on the CPU: every code path, no timings")
     p_run.add_argument("--llamacpp", action="store_true", help="also build llama-cpp-python with CUDA and time a GGUF")
     p_run.add_argument("--compile", action="store_true",
-                       help="torch stage: also time the graphs runner with torch.compile (inductor; minutes)")
+                       help="add the compile stage: the graphs runner with torch.compile (inductor; minutes), last")
+    p_run.add_argument("--quick", action="store_true",
+                       help="torch stage: graphs runners and transformers' generate only (no eager timings)")
     p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "cli"},
-                       help="stages among pytest,torch,cli (default all three; --llamacpp adds llama.cpp)")
+                       help="stages among pytest,torch,cli,compile (default the first three; --llamacpp adds "
+                            "llama.cpp, --compile adds compile)")
     p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
                        help="seconds for everything (default 360)")
     p_run.add_argument("--site", default="/tmp/site", help="where the carried wheels were installed")
@@ -1131,13 +1298,18 @@ def main(argv: list[str] | None = None) -> int:
     p_torch = sub.add_parser("stage-torch", help=argparse.SUPPRESS)
     p_torch.add_argument("result", type=Path)
     p_torch.add_argument("--cpu-dry-run", action="store_true")
-    p_torch.add_argument("--compile", action="store_true")
+    p_torch.add_argument("--quick", action="store_true")
+    p_compile = sub.add_parser("stage-compile", help=argparse.SUPPRESS)
+    p_compile.add_argument("result", type=Path)
+    p_compile.add_argument("--cpu-dry-run", action="store_true")
     p_llama = sub.add_parser("stage-llamacpp", help=argparse.SUPPRESS)
     p_llama.add_argument("result", type=Path)
     p_llama.add_argument("gguf", type=Path)
     p_llama.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "run":
+        if args.compile:
+            args.stages = args.stages | {"compile"}
         return run(args)
     if args.command == "gguf-header":
         gguf_header(args.dir)
@@ -1149,7 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
         stage_cli(args.result, args.gpu_dir, args.cpu_dry_run)
         return 0
     if args.command == "stage-torch":
-        stage_torch(args.result, args.cpu_dry_run, args.compile)
+        stage_torch(args.result, args.cpu_dry_run, args.quick)
+        return 0
+    if args.command == "stage-compile":
+        stage_compile(args.result, args.cpu_dry_run)
         return 0
     stage_llamacpp(args.result, args.gguf, args.cpu_dry_run)
     return 0

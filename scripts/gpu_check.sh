@@ -161,5 +161,5 @@ case ${1:-} in
   run) shift; run "$@" ;;
   hold) hold ;;
   restore) restore ;;
-  *) die "usage: bash scripts/gpu_check.sh prepare [--no-llamacpp] | hold | run [--llamacpp] [--compile] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
+  *) die "usage: bash scripts/gpu_check.sh prepare [--no-llamacpp] | hold | run [--llamacpp] [--compile] [--quick] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
 esac
