@@ -18,7 +18,10 @@ repacked Q4_K kernels take another summation order for passes of 4+ rows; the de
 So ``exact=True`` splits every verification pass (one that returns the logits of more than one
 position) into chunks of at most :attr:`LlamaCppOptions.invariant_tokens` tokens (:data:`INVARIANT_TOKENS`
 for the loading chosen; ``tests/test_llamacpp.py`` checks it on the real target), and greedy output
-equals plain decoding on this backend by construction. ``exact=False`` verifies in one pass: the
+equals plain decoding on this backend by construction. With every layer on a GPU the measured
+rule is CUDA's: passes of up to :data:`GPU_INVARIANT_TOKENS` (9) tokens are bit-identical, so
+verification of up to 8 drafted tokens is one pass (:func:`options_for_placement`). ``exact=False``
+verifies in one pass: the
 output then equals plain decoding up to near-ties that rounding flips. Sampling stays exact in
 distribution in both modes (verification is ours, over the returned logits).
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +48,15 @@ INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
 kernels built without llamafile, by whether the weights are repacked (docs/llamacpp.md,
 ``scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
+
+GPU_INVARIANT_TOKENS = 9
+"""Longest pass measured to give logits bit-identical to one-token passes with every layer on a
+GPU: llama.cpp's CUDA kernels (llama-cpp-python 0.3.36 built for sm_90 with flash-attention
+kernels off) on an NVIDIA H100, the default target's Q4_K_M layout with random weights, 400
+tokens cached, 20 contexts: every row of passes of 1..9 tokens equal to one-token decoding, the
+largest logit difference 0.0, with flash attention on llama.cpp's choice and on
+(docs/results/issue42-h100/run2/llamacpp.json). Wider passes were not measured; an exact runner
+on a GPU splits them. Other cards are assumed to behave alike: not measured."""
 
 
 def _lib() -> Any:
@@ -92,10 +104,13 @@ class LlamaCppOptions:
             reference kernels for the passes of at most ``invariant_tokens`` tokens
             (:mod:`specdecode.models.llamacpp.kernels`: its fast CPU kernel sums a one-token pass
             over 512+ cached tokens in per-thread chunks, so passes of different sizes round
-            differently), or off where this llama.cpp build has no such switch (or runs on a GPU);
-            llama.cpp's own choice without ``exact``. True with ``exact`` where there is no switch:
-            on, and passes are then invariant only while fewer than 256 tokens are cached.
-        invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for ``repack``.
+            differently), or off where this llama.cpp build has no such switch; llama.cpp's own
+            choice without ``exact``, and with every layer on a GPU (:func:`options_for_placement`).
+            True with ``exact`` where there is no switch: on, and passes are then invariant only
+            while fewer than 256 tokens are cached.
+        invariant_tokens: the longest batch-invariant pass; None: :data:`INVARIANT_TOKENS` for
+            ``repack`` (CPU kernels), or :data:`GPU_INVARIANT_TOKENS` once a model loads with every
+            layer on a GPU (:func:`options_for_placement`).
         gpu_layers: layers offloaded to a GPU where llama.cpp was built with one (-1: all); 0 on a
             CPU-only build.
 
@@ -111,8 +126,11 @@ class LlamaCppOptions:
     flash_attn: bool | None = None
     invariant_tokens: int | None = None
     gpu_layers: int = -1
+    invariant_tokens_given: bool = field(default=False, init=False, repr=False, compare=False)
+    """Whether ``invariant_tokens`` was the caller's (else the CPU default, replaced on a GPU)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "invariant_tokens_given", self.invariant_tokens is not None)
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
@@ -128,6 +146,19 @@ class LlamaCppOptions:
     @property
     def n_threads(self) -> int:
         return self.threads or default_threads()
+
+
+def options_for_placement(options: LlamaCppOptions, all_layers_on_gpu: bool) -> LlamaCppOptions:
+    """``options`` for a model whose every layer runs on a GPU (``all_layers_on_gpu``), else
+    ``options`` unchanged: in exact mode the CPU rules give way to the GPU's measured ones. An
+    ``invariant_tokens`` the caller left out becomes :data:`GPU_INVARIANT_TOKENS`, and flash
+    attention left to specdecode (None) is llama.cpp's choice, as measured; the CPU reference
+    kernels (:mod:`specdecode.models.llamacpp.kernels`) are not used, since no pass runs on the CPU."""
+    if not all_layers_on_gpu or not options.exact or options.invariant_tokens_given:
+        return options
+    gpu = replace(options, invariant_tokens=GPU_INVARIANT_TOKENS)
+    object.__setattr__(gpu, "invariant_tokens_given", False)
+    return gpu
 
 
 class LlamaCppModel:
@@ -158,11 +189,8 @@ class LlamaCppModel:
         self.options = options or LlamaCppOptions()
         lib = _lib()
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = (
-            (self.options.gpu_layers if self.options.gpu_layers >= 0 else 999)
-            if lib.llama_supports_gpu_offload()
-            else 0
-        )
+        offload = bool(lib.llama_supports_gpu_offload())
+        params.n_gpu_layers = (self.options.gpu_layers if self.options.gpu_layers >= 0 else 999) if offload else 0
         params.use_extra_bufts = bool(self.options.repack)  # repacked weights: faster, invariant to 3 rows only
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
@@ -174,6 +202,10 @@ class LlamaCppModel:
         eos = {int(lib.llama_vocab_eos(self._vocab)), int(lib.llama_vocab_eot(self._vocab))}
         self.eos_token_ids = frozenset(i for i in eos if i >= 0)
         self.weight_bytes = int(lib.llama_model_size(self._model))
+        n_layer = int(lib.llama_model_n_layer(self._model))
+        self.on_gpu = offload and params.n_gpu_layers >= n_layer + 1  # every layer and the output layer
+        """Whether every layer runs on a GPU (a GPU build, ``gpu_layers`` -1 or above the layer count)."""
+        self.options = options_for_placement(self.options, self.on_gpu)
 
     @property
     def capabilities(self) -> RunnerCapabilities:
@@ -220,9 +252,10 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> tuple[A
     from specdecode.models.llamacpp.kernels import reference_kernels
 
     options = model.options
-    flash = options.flash_attn if options.flash_attn is not None else (True if options.exact else None)
+    on_gpu = bool(getattr(model, "on_gpu", False))
+    flash = options.flash_attn if options.flash_attn is not None else (True if options.exact and not on_gpu else None)
     ctx = _make_context(model, n_ctx, n_seq_max, flash)
-    if not options.exact or flash is not True:
+    if not options.exact or flash is not True or on_gpu:
         return ctx, None
     kernels = reference_kernels(_lib(), ctx, options.invariant_tokens)  # type: ignore[arg-type]
     if kernels is None and options.flash_attn is None:  # no switch here: flash attention off, as before
@@ -443,7 +476,9 @@ class LlamaCppRunner:
                     rows.append(out)
                 if check and out is not None and start + chunk < T:
                     expected = greedy_draft[start : start + len(part)]  # type: ignore[index]  # these rows' tokens
-                    if not torch.equal(out.argmax(-1), expected):
+                    from specdecode.sampling import argmax_ids
+
+                    if not torch.equal(argmax_ids(out), expected):
                         break  # the verifier rejects within this chunk: later rows would be thrown away
         finally:
             if return_hidden:
@@ -476,11 +511,14 @@ class LlamaCppRunner:
         if m == 0:
             return None
         V = self.vocab_size
-        outputs = n if hidden is not None else m  # embeddings on: llama.cpp scored every token
         pointer = lib.llama_get_logits(self._ctx)  # the output rows, contiguous, in batch order
-        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(outputs, V))
-        picked = array[[i for i in range(n) if scored[i]]] if outputs != m else array.copy()
-        return torch.from_numpy(picked)  # (m, V) float32: a copy, the next decode overwrites the buffer
+        if hidden is None:  # llama.cpp output the scored rows only: one copy straight into a tensor
+            logits = torch.empty((m, V), dtype=torch.float32)
+            ctypes.memmove(logits.data_ptr(), pointer, m * V * 4)
+            return logits  # (m, V) float32: a copy, the next decode overwrites the buffer
+        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n, V))
+        picked = array[[i for i in range(n) if scored[i]]]  # embeddings on: llama.cpp scored every token
+        return torch.from_numpy(picked)  # (m, V) float32: a copy (fancy indexing copies)
 
     # ------------------------------------------------------------------ token trees
     def forward_masked(
