@@ -80,6 +80,14 @@ def test_load_a_file_a_packaged_name_and_errors(tmp_path):
         load_cost_table(tmp_path / "invalid.json")
 
 
+def test_every_packaged_table_loads_by_name():
+    names = sorted(path.stem for path in PACKAGED.glob("*.json"))
+    assert {"h100-torch-eager-bf16", "h100-torch-graphs-bf16", "h100-llamacpp-cuda-q4km"} <= set(names)
+    for name in names:
+        table = load_cost_table(name)
+        assert table.target(1) > 0 and table.device and table.source
+
+
 # ----------------------------------------------------------------------------- pricing
 def test_price_of_a_hand_made_record_is_exact():
     table = parse_cost_table(TABLE)
