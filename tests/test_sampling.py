@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams, argmax_ids, logits_to_probs
 
 
 @pytest.mark.parametrize(
@@ -50,3 +50,24 @@ def test_temperature_top_k_top_p() -> None:
 def test_greedy_has_no_probabilities() -> None:
     with pytest.raises(ValueError, match="greedy"):
         logits_to_probs(torch.zeros(3), SamplingParams())
+
+
+def test_argmax_ids_is_torch_argmax() -> None:
+    """numpy's argmax on the CPU takes torch's rule: the first index of the maximum, a NaN first."""
+    g = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        torch.randint(0, 8, (3, 5000), generator=g).float(),  # many ties
+        torch.tensor([[1.0, nan, 3.0, nan], [nan, 5.0, nan, 0.0], [-inf, -inf, -inf, -inf], [inf, 1.0, inf, 0.0]]),
+        torch.tensor([[-0.0, 0.0], [0.0, -0.0]]),
+        torch.randn(2, 7, 11, generator=g, dtype=torch.float64),
+        torch.randn(9, generator=g),  # one row: a 0-d result
+        torch.randn(2, 9, generator=g).to(torch.bfloat16),  # torch's own argmax
+        torch.randn(4, 9, generator=g)[:, ::2],  # not contiguous
+    ]
+    for logits in rows:
+        got = argmax_ids(logits)
+        assert got.dtype == torch.int64 and got.device.type == "cpu"
+        assert torch.equal(got, logits.argmax(dim=-1)), logits
+    grad = torch.randn(2, 9, generator=g, requires_grad=True)
+    assert torch.equal(argmax_ids(grad), grad.argmax(dim=-1))

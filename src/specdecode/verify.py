@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.sampling import SamplingParams, draw_uniforms, inverse_cdf, logits_to_probs
+from specdecode.sampling import SamplingParams, argmax_ids, draw_uniforms, inverse_cdf, logits_to_probs
 from specdecode.tree import _check_parents, children_lists
 
 
@@ -61,7 +61,8 @@ def greedy_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Verif
     Exact: the returned tokens are the ones greedy target-only decoding produces, since each
     accepted draft token equals the target's argmax given the accepted tokens before it.
 
-    Device: the argmax runs where the logits are; its ``k + 1`` ids are the one host copy.
+    Device: the argmax runs where the logits are (:func:`~specdecode.sampling.argmax_ids`: numpy's
+    on the CPU); its ``k + 1`` ids are the one host copy.
 
     Args:
         draft_ids: int64 ``[k]`` drafted tokens (k may be 0), on the CPU.
@@ -75,10 +76,12 @@ def greedy_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Verif
         ValueError: shapes or dtypes other than the above.
     """
     k = _check_shapes(draft_ids, target_logits)
-    target_ids = target_logits.argmax(dim=-1).cpu()  # (k + 1,): the step's one host copy
-    mismatch = (draft_ids.cpu() != target_ids[:k]).nonzero()
-    n = int(mismatch[0, 0]) if mismatch.numel() else k
-    return VerifyResult(n, target_ids[: n + 1].clone())
+    target_ids = argmax_ids(target_logits)  # (k + 1,) on the CPU: the step's one host copy
+    if k == 0:  # the target alone (or an empty draft): its argmax is the token
+        return VerifyResult(0, target_ids)
+    best, drafted = target_ids.tolist(), draft_ids.tolist()
+    n = next((i for i in range(k) if drafted[i] != best[i]), k)
+    return VerifyResult(n, target_ids[: n + 1])
 
 
 def _residuals(p: torch.Tensor, q: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -241,7 +244,7 @@ def greedy_verify_tree(draft_ids: torch.Tensor, parents: torch.Tensor, target_lo
         ValueError: shapes, dtypes or parents other than the above.
     """
     children = _check_tree(draft_ids, parents, target_logits)
-    best = target_logits.argmax(dim=-1).tolist()  # (N + 1,)
+    best = argmax_ids(target_logits).tolist()  # (N + 1,)
     ids = draft_ids.tolist()
     path: list[int] = []
     node = 0
