@@ -42,6 +42,10 @@ if TYPE_CHECKING:
     from specdecode.constraints.state import ConstraintState
 
 
+_NO_DRAFT = DraftTokens.empty()
+"""The draft of a step that drafts nothing (shared: an empty tensor has nothing to change)."""
+
+
 class DecodeState:
     """Per-sequence state of speculative decoding.
 
@@ -109,6 +113,7 @@ class DecodeState:
         self.limit = min(sampling.max_new_tokens, max_length - P)
         self.context = torch.empty(P + self.limit + max_k + 1, dtype=torch.int64)
         self.context[:P] = prompt
+        self._context_np = self.context.numpy()  # the same memory: a cheap write per emitted token
         self.T = P
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(self.seed)  # CPU, whatever the device (§2b)
@@ -136,7 +141,7 @@ class DecodeState:
         there is no proposer): ids int64 ``[k']`` on the CPU, probs float ``[k', V]`` on
         :attr:`device` or None. Errors are the proposer's."""
         if k <= 0 or self.proposer is None:
-            return DraftTokens.empty()
+            return _NO_DRAFT
         draft = self.proposer.propose(self.context[: self.T], k, self.sampling, self.generator)
         draft = draft.to(self.device)  # the one move of a draft: ids to the CPU, probs to the logits' device
         if self.constraint is not None:  # grammar-aware drafting: cut at a forbidden token, forced tokens
@@ -157,11 +162,14 @@ class DecodeState:
         if self.constraint is not None:
             return self.constraint.verify(draft, target_logits, self.sampling, self.generator)
         scored = target_logits.shape[0] - 1
-        return verify(draft.ids[:scored], draft.probs, target_logits, self.sampling, self.generator)
+        ids = draft.ids if scored == draft.ids.shape[0] else draft.ids[:scored]
+        return verify(ids, draft.probs, target_logits, self.sampling, self.generator)
 
     def step_input(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens of the next target pass: the last context token and the draft, int64 ``[k + 1]``."""
-        return torch.cat([self.context[self.T - 1 : self.T], draft_ids.cpu()])
+        """The tokens of the next target pass: the last context token and the draft, int64 ``[k + 1]``
+        (without a draft a view of :attr:`context`, whose known tokens never change)."""
+        last = self.context[self.T - 1 : self.T]
+        return torch.cat([last, draft_ids.cpu()]) if draft_ids.shape[0] else last
 
     def after_prefill(self, features: torch.Tensor | None = None) -> None:
         """Account the prefill pass; give a feature-reading proposer the prompt's features ``[P, H]``."""
@@ -213,7 +221,7 @@ class DecodeState:
         """
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         n = len(ids)
-        self.context[self.T : self.T + n] = torch.tensor(ids, dtype=torch.int64)
+        self._context_np[self.T : self.T + n] = ids
         self.T += n
         new_ids: list[int] = []
         new_text = ""
