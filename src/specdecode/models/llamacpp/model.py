@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from specdecode.models.contract import RunnerCapabilities
+from specdecode.sampling import argmax_ids
 
 if TYPE_CHECKING:
     from specdecode.models.llamacpp.kernels import ReferenceKernels
@@ -476,8 +477,6 @@ class LlamaCppRunner:
                     rows.append(out)
                 if check and out is not None and start + chunk < T:
                     expected = greedy_draft[start : start + len(part)]  # type: ignore[index]  # these rows' tokens
-                    from specdecode.sampling import argmax_ids
-
                     if not torch.equal(argmax_ids(out), expected):
                         break  # the verifier rejects within this chunk: later rows would be thrown away
         finally:
