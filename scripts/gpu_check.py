@@ -794,6 +794,7 @@ def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_t
 
     def decode(prompt: list[int], n: int) -> int:
         count = 0
+        llm.reset()  # generate reuses a cached prompt prefix otherwise (the warm-up's): prefill every prompt
         for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
             count += 1
             if count >= n:
