@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.sampling import SamplingParams, argmax_ids, logits_to_probs
+from specdecode.sampling import SamplingParams, argmax_ids, argmax_on_device, logits_to_probs
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,20 @@ def test_argmax_ids_is_torch_argmax() -> None:
         assert torch.equal(got, logits.argmax(dim=-1)), logits
     grad = torch.randn(2, 9, generator=g, requires_grad=True)
     assert torch.equal(argmax_ids(grad), grad.argmax(dim=-1))
+
+
+def test_argmax_on_device_keeps_the_device() -> None:
+    """argmax_on_device: argmax_ids' ids on the CPU; elsewhere torch's argmax, left on that device."""
+    g = torch.Generator().manual_seed(1)
+    nan = float("nan")
+    for logits in (
+        torch.randint(0, 4, (6, 300), generator=g).float(),  # ties
+        torch.tensor([[0.0, nan, 2.0, nan], [3.0, 3.0, 1.0, 0.0]]),
+        torch.randn(50, generator=g),
+    ):
+        got = argmax_on_device(logits)
+        assert got.dtype == torch.int64 and got.device.type == "cpu"
+        assert torch.equal(got, logits.argmax(dim=-1))
+    meta = torch.empty(3, 7, device="meta")  # stands for a GPU: no host copy, the result stays there
+    out = argmax_on_device(meta)
+    assert out.device.type == "meta" and out.shape == (3,) and out.dtype == torch.int64

@@ -80,6 +80,16 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1).cpu()
 
 
+def argmax_on_device(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` left where the logits are: int64 ``[...]``, the same ids and rule.
+
+    CPU logits go through :func:`argmax_ids` (numpy's argmax); logits elsewhere (a GPU) through
+    torch's own, with no host copy, for callers that keep the ids on the logits' device (a draft
+    token fed straight back to the model, indexing a token map there).
+    """
+    return argmax_ids(logits) if logits.is_cpu else logits.argmax(dim=-1)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the sampling distribution: temperature, top-k, top-p, softmax.
 

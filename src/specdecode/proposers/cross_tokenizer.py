@@ -66,7 +66,7 @@ from transformers import PreTrainedModel
 from specdecode.errors import IncompatibleModelsError
 from specdecode.models.backends import make_runner
 from specdecode.proposers.base import DraftTokens, ProposerBase
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, argmax_ids
 from specdecode.verify import VerifyResult
 
 # Text both tokenizers must carry through an encode -> decode round trip (code and prose, as the
@@ -428,7 +428,7 @@ class CrossTokenizerProposer(ProposerBase):
         logits = self._feed()  # (V_d,)
         new: list[int] = []
         for i in range(m):
-            new.append(int(logits.argmax()))
+            new.append(int(argmax_ids(logits)))
             ids = self._to_target(context, new)
             if new[-1] in self.draft_eos or len(ids) > num_tokens or i + 1 == m:
                 break

@@ -26,7 +26,7 @@ from specdecode.proposers.hybrid import (
     prompt_lookup_min_field,
     prompt_lookup_model_k_field,
 )
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.sampling import SamplingParams, argmax_on_device, logits_to_probs, sample
 from specdecode.token_map import load_token_map
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
@@ -251,7 +251,7 @@ class DraftModelProposer(ProposerBase):
         threshold = self.config.draft_confidence
         for i in range(num_tokens):
             if sampling.greedy:
-                j = logits.argmax().view(1)  # (1,)
+                j = argmax_on_device(logits).view(1)  # (1,) on the draft's device
                 if threshold > 0 and i > 0 and float(torch.softmax(logits, -1)[j]) < threshold:
                     break
             else:

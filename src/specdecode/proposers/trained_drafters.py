@@ -29,7 +29,7 @@ from specdecode.proposers.hybrid import (
     prompt_lookup_min_field,
     prompt_lookup_model_k_field,
 )
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.sampling import SamplingParams, argmax_on_device, logits_to_probs, sample
 
 # Per target: (kind, folder, head quantization) -> (the files' modification times, the drafter loaded from them).
 _LOADED: weakref.WeakKeyDictionary[
@@ -309,7 +309,7 @@ def pick_token(
         probability over the map (0.0 unless ``confidence``: reading it is a host copy).
     """
     if sampling.greedy:
-        j = logits.argmax().view(1)  # (1,)
+        j = argmax_on_device(logits).view(1)  # (1,) on the drafter's device
         top = float(torch.softmax(logits.float(), -1)[j]) if confidence else 0.0
         return head_ids[j], None, top
     q = logits_to_probs(logits, sampling)  # (N,)

@@ -41,6 +41,7 @@ import torch
 
 from specdecode.models.contract import RowTable, RunnerCapabilities
 from specdecode.models.llamacpp.model import LlamaCppModel, _lib, decode_batch, free_context, new_context
+from specdecode.sampling import argmax_ids
 
 
 def plan_passes(
@@ -263,7 +264,7 @@ class LlamaCppBatchedRunner:
             for (row, i), row_logits in zip(scored, logits, strict=True):
                 out[row].append(row_logits)
                 draft = drafts.get(row)
-                if draft is not None and i < len(draft) and int(row_logits.argmax()) != int(draft[i]):
+                if draft is not None and i < len(draft) and int(argmax_ids(row_logits)) != int(draft[i]):
                     stopped.add(row)  # the verifier rejects the draft token at i: the rest is wasted
             for row, _, _ in part:
                 done[row] += 1

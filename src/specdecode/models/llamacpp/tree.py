@@ -43,6 +43,8 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.sampling import argmax_ids
+
 
 class TreeCache:
     """The logical cache of a llama.cpp runner that holds a token tree (see the module docstring).
@@ -211,7 +213,7 @@ class TreeCache:
             start = None
             for j, entry in enumerate(segment):
                 rows[entry] = out[j]
-                best = int(out[j].argmax())
+                best = int(argmax_ids(out[j]))
                 nxt = next((c for c in kids.get(entry, []) if self.tokens[c - self.trunk] == best), None)
                 if nxt is None:
                     break  # the walk ends here
