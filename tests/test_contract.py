@@ -15,7 +15,7 @@ from specdecode.models.backends import backend_of, make_batched_runner, make_run
 from specdecode.models.contract import BatchedRunner, CapabilityError, RowTable, Runner, RunnerCapabilities
 from specdecode.models.llamacpp.batch import LlamaCppBatchedRunner
 from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, LlamaCppRunner
-from specdecode.models.torch.batch import BatchedRunner as TorchBatchedRunner
+from specdecode.models.torch.batch import TorchBatchedRunner
 from specdecode.models.torch.runner import ModelRunner
 from specdecode.proposers import make_proposer
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer

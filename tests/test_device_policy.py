@@ -16,7 +16,7 @@ import torch
 import specdecode.verify as verify_module
 from specdecode import SamplingParams
 from specdecode.constraints import Regex
-from specdecode.models.torch.batch import BatchedRunner
+from specdecode.models.torch.batch import TorchBatchedRunner
 from specdecode.models.torch.runner import ModelRunner
 from specdecode.sampling import sample
 from specdecode.verify import VerifyResult, greedy_verify, greedy_verify_tree, rejection_sample, rejection_sample_tree
@@ -101,7 +101,7 @@ def test_the_runners_keep_their_outputs_on_the_device(models) -> None:
         tree = runner.forward_masked(torch.tensor([4, 5]), torch.tensor([3, 3]), attend)  # CPU positions, mask
         assert is_stand_in(tree)
         runner.compact(torch.tensor([0, 1, 2, 4]))
-        batched = BatchedRunner(target, max_rows=2)
+        batched = TorchBatchedRunner(target, max_rows=2)
         batched.add_row(), batched.add_row()
         rows = batched.forward(0, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], [1, 2])
         assert batched.device == STAND_IN and all(is_stand_in(r) for r in rows)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from specdecode.models.torch.batch import BatchedRunner
+from specdecode.models.torch.batch import TorchBatchedRunner
 from specdecode.models.torch.runner import ModelRunner
 from specdecode.schedule import acceptance_trials
 from specdecode.serve.cost import (
@@ -32,12 +32,12 @@ def tokens(g: torch.Generator, n: int) -> torch.Tensor:
 
 
 class Pair:
-    """A BatchedRunner and one ModelRunner per row, driven alike; every forward is compared."""
+    """A TorchBatchedRunner and one ModelRunner per row, driven alike; every forward is compared."""
 
     def __init__(self, model, max_rows: int, capacity: int = 8, hidden: bool = False) -> None:
         self.model = model
         self.hidden = hidden  # also compare the target's features (return_hidden)
-        self.batched = BatchedRunner(model, max_rows, capacity=capacity)
+        self.batched = TorchBatchedRunner(model, max_rows, capacity=capacity)
         self.singles: list[ModelRunner] = []
 
     def add(self) -> None:
@@ -115,9 +115,9 @@ def test_many_steps_with_random_joins_leaves_and_rollbacks(hidden: bool) -> None
 
 def test_runner_errors() -> None:
     model = make_tiny_model(seed=0)
-    runner = BatchedRunner(model, max_rows=1)
+    runner = TorchBatchedRunner(model, max_rows=1)
     with pytest.raises(ValueError, match="max_rows"):
-        BatchedRunner(model, max_rows=0)
+        TorchBatchedRunner(model, max_rows=0)
     runner.add_row()
     with pytest.raises(RuntimeError, match="rows"):
         runner.add_row()
@@ -130,7 +130,7 @@ def test_runner_errors() -> None:
     flash = copy.deepcopy(model)
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa or eager"):
-        BatchedRunner(flash, max_rows=1)
+        TorchBatchedRunner(flash, max_rows=1)
 
 
 # ---------------------------------------------------------------------------------- cost model

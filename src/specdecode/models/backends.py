@@ -217,7 +217,7 @@ def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = No
     pass; the server's) of a loaded model: for a llama.cpp model a
     :class:`~specdecode.models.llamacpp.batch.LlamaCppBatchedRunner` (its context reserves
     ``row_capacity`` tokens per row, default the model's ``n_ctx``), else a
-    :class:`~specdecode.models.torch.batch.BatchedRunner` over a ``transformers`` model (its cache starts
+    :class:`~specdecode.models.torch.batch.TorchBatchedRunner` over a ``transformers`` model (its cache starts
     at ``min(row_capacity, 256)`` positions per row and grows as needed).
 
     Raises:
@@ -227,7 +227,7 @@ def make_batched_runner(model: Any, max_rows: int, row_capacity: int | None = No
         from specdecode.models.llamacpp.batch import LlamaCppBatchedRunner
 
         return LlamaCppBatchedRunner(model, max_rows, (row_capacity or model.options.n_ctx) * max_rows)
-    from specdecode.models.torch.batch import BatchedRunner as TorchBatchedRunner
+    from specdecode.models.torch.batch import TorchBatchedRunner
 
     return TorchBatchedRunner(model, max_rows, capacity=min(row_capacity or 256, 256))
 

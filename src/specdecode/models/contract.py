@@ -5,8 +5,9 @@ runner: :class:`Runner` (one sequence, batch 1) or :class:`BatchedRunner` (many 
 the server's). Both are ``typing.Protocol`` s, ``runtime_checkable``, so ``isinstance(r, Runner)``
 checks that every member is there (not their signatures). The implementations:
 
-- torch: :class:`~specdecode.models.torch.runner.ModelRunner`, :class:`~specdecode.models.torch.batch.BatchedRunner`
-  (the class of that name; this module's :class:`BatchedRunner` is the protocol it implements);
+- torch: :class:`~specdecode.models.torch.runner.ModelRunner`,
+  :class:`~specdecode.models.torch.batch.TorchBatchedRunner` (which implements this module's
+  :class:`BatchedRunner` protocol);
 - llamacpp: :class:`~specdecode.models.llamacpp.LlamaCppRunner`,
   :class:`~specdecode.models.llamacpp.batch.LlamaCppBatchedRunner`.
 

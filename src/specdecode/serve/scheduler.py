@@ -11,7 +11,7 @@ scheduler thread loops:
    ``--speculation``) and ask its own proposer (one instance per sequence, built by
    :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not) for k tokens;
 2. **score**: ONE batched target pass over every row's ``[last token + draft]`` (ragged,
-   :class:`~specdecode.models.torch.batch.BatchedRunner`);
+   :class:`~specdecode.models.torch.batch.TorchBatchedRunner`);
 3. **verify** each row with :func:`specdecode.verify.verify` and the request's own
    ``torch.Generator`` (seeded from the request's ``seed``);
 4. **roll back** each row to its context plus its accepted tokens (``truncate``: a length

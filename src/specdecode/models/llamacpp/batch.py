@@ -1,7 +1,7 @@
 """Many sequences in one llama.cpp context: the llamacpp backend's batched runner (the server's).
 
 :class:`LlamaCppBatchedRunner` has the interface of the torch backend's
-:class:`~specdecode.models.torch.batch.BatchedRunner` (rows ``0 .. num_rows - 1``, ``add_row``,
+:class:`~specdecode.models.torch.batch.TorchBatchedRunner` (rows ``0 .. num_rows - 1``, ``add_row``,
 ``remove_row``, ``truncate(row, n)``, ``forward(first, inputs, num_logits)``), over one llama.cpp
 context holding up to ``max_rows`` sequences. Each row is a llama.cpp sequence id with its own KV
 stream (``kv_unified`` off: a row's cells, and so its attention, never depend on another row's);

@@ -4,7 +4,7 @@ The cache is one preallocated buffer per layer, ``K, V: [rows, H_kv, capacity, D
 static cache, with one length pointer per row instead of one for the batch). Row ``r`` holds the
 first ``lengths[r]`` tokens of its sequence.
 
-One :meth:`BatchedRunner.forward` over rows ``first .. first + B - 1`` with inputs of ``n_b``
+One :meth:`TorchBatchedRunner.forward` over rows ``first .. first + B - 1`` with inputs of ``n_b``
 tokens each (ragged; right-padded to ``T = max n_b``):
 
 - token ``t`` of row ``b`` is written at cache position ``p[b, t] = lengths[b] + t`` and gets
@@ -17,7 +17,7 @@ tokens each (ragged; right-padded to ``T = max n_b``):
   overwritten by the row's next tokens;
 - afterwards ``lengths[b] += n_b``.
 
-Rollback of one row is :meth:`BatchedRunner.truncate`: its length pointer moves back, the stale
+Rollback of one row is :meth:`TorchBatchedRunner.truncate`: its length pointer moves back, the stale
 entries stay in the buffer, masked by the rule above, until overwritten. Rows join at the end
 (:meth:`add_row`) and leave by :meth:`remove_row`, which moves the last row into the hole, so that
 the active rows are always ``0 .. num_rows - 1`` and the decode batch is a view of the buffers.
@@ -65,7 +65,7 @@ class BatchedKVCache:
         self.block = block
         self.keys: list[torch.Tensor] = []  # per layer (max_rows, H_kv, capacity, D)
         self.values: list[torch.Tensor] = []
-        # Set by BatchedRunner.forward for the call in progress:
+        # Set by TorchBatchedRunner.forward for the call in progress:
         self._first = 0  # first row of the call
         self._positions: torch.Tensor | None = None  # (B, T) int64 write positions
         self._kv_length = 0  # L: positions returned to attention
@@ -121,7 +121,7 @@ class BatchedKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-class BatchedRunner:
+class TorchBatchedRunner:
     """A ``transformers`` causal LM over up to ``max_rows`` sequences that share one forward pass.
 
     Rows are the sequences, ``0 .. num_rows - 1``. Each row keeps its own length; see the module
