@@ -199,6 +199,7 @@ def _machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nvcc: bool, gpu: s
     monkeypatch.setattr(build, "nvcc_version", lambda nvcc=None: "cuda_13.0")
     monkeypatch.setattr(build, "libstdcxx_link_dir", lambda cxx=None: None)  # test_llamacpp_libstdcxx.py
     monkeypatch.setattr(build, "_warn_if_embedded_libstdcxx", lambda: None)
+    monkeypatch.setattr(build, "cxx_runtime_line", lambda: "llama.cpp C++ runtime: (not read in these tests)")
 
     class Smi:
         returncode, stdout = (0, gpu) if gpu is not None else (9, "")

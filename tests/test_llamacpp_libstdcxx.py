@@ -86,3 +86,23 @@ def test_a_library_that_embeds_libstdcxx_is_named(tmp_path: Path) -> None:
     )
     (tmp_path / "libmtmd.so").write_bytes(static.read_bytes())  # not one of the libraries looked at
     assert build.embedded_libstdcxx(tmp_path) == ["libggml-base.so"]
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("readelf") is None, reason="needs g++ and readelf"
+)
+def test_doctor_names_libraries_that_embed_libstdcxx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "t.cpp"
+    source.write_text('extern "C" int f() { return 0; }\n#include <string>\nstd::string g() { return "x"; }\n')
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    subprocess.run(["g++", "-fPIC", "-shared", str(source), "-o", str(lib / "libllama.so")], check=True)
+    monkeypatch.setattr(build, "installed_lib_dir", lambda: lib)
+    assert build.cxx_runtime_line() == "llama.cpp C++ runtime: the shared libstdc++.so.6"
+    subprocess.run(
+        ["g++", "-fPIC", "-shared", "-static-libstdc++", str(source), "-o", str(lib / "libggml-cuda.so")], check=True
+    )
+    line = build.cxx_runtime_line()
+    assert "WARNING: libggml-cuda.so embed their own libstdc++" in line and "scripts/setup.sh" in line
+    monkeypatch.setattr(build, "installed_lib_dir", lambda: None)
+    assert build.cxx_runtime_line() == "llama.cpp C++ runtime: not installed"

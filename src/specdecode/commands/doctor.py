@@ -65,11 +65,17 @@ def machine_lines() -> list[str]:
 
 
 def build_lines() -> list[str]:
-    """The installed llama.cpp build: version, the set-up's record (CMake arguments, key) and
-    whether that key is this machine's."""
+    """The installed llama.cpp build: version, the set-up's record (CMake arguments, key), whether
+    that key is this machine's, and which C++ runtime its libraries load."""
     import importlib.metadata
 
-    from specdecode.models.llamacpp.build import build_backend, build_key, build_spec, installed_record
+    from specdecode.models.llamacpp.build import (
+        build_backend,
+        build_key,
+        build_spec,
+        cxx_runtime_line,
+        installed_record,
+    )
 
     try:
         version = importlib.metadata.version("llama-cpp-python")
@@ -77,7 +83,10 @@ def build_lines() -> list[str]:
         return ["llama.cpp: llama-cpp-python is not installed (bash scripts/setup.sh builds it)"]
     record = installed_record()
     if record is None:
-        return [f"llama.cpp: llama-cpp-python {version}, not built by scripts/setup.sh (no record in {sys.prefix})"]
+        return [
+            f"llama.cpp: llama-cpp-python {version}, not built by scripts/setup.sh (no record in {sys.prefix})",
+            cxx_runtime_line(),
+        ]
     backend = build_backend(record)
     try:  # a cuda build: for this machine's GPU
         here = build_key(build_spec(record.get("flavour", "native")))
@@ -90,6 +99,7 @@ def build_lines() -> list[str]:
         f"llama.cpp backend: {backend}{arch}",
         f"llama.cpp CMAKE_ARGS: {' '.join(record.get('cmake_args', []))}",
         f"llama.cpp built with: {record.get('compiler')}" + (f", {record['nvcc']}" if record.get("nvcc") else ""),
+        cxx_runtime_line(),
     ]
 
 

@@ -550,14 +550,40 @@ def embedded_libstdcxx(lib_dir: str | Path) -> list[str]:
     return found
 
 
-def _warn_if_embedded_libstdcxx() -> None:
-    """Print a warning if the installed build's libraries carry their own C++ runtime."""
+def installed_lib_dir() -> Path | None:
+    """The installed ``llama_cpp`` package's ``lib`` folder (its native libraries), found without
+    loading them; None where llama-cpp-python is not installed."""
     import importlib.util
 
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
+
+
+def cxx_runtime_line() -> str:
+    """One line for ``specdecode doctor``: whether the installed llama.cpp libraries load the shared
+    C++ runtime or embed their own (:func:`embedded_libstdcxx`)."""
+    lib_dir = installed_lib_dir()
+    if lib_dir is None or not lib_dir.is_dir():
+        return "llama.cpp C++ runtime: not installed"
+    if shutil.which("readelf") is None:
+        return "llama.cpp C++ runtime: unknown (no readelf: install binutils)"
+    libs = embedded_libstdcxx(lib_dir)
+    if not libs:
+        return "llama.cpp C++ runtime: the shared libstdc++.so.6"
+    return (
+        f"llama.cpp C++ runtime: WARNING: {', '.join(libs)} embed their own libstdc++ (a model load can "
+        "crash beside the system's, GCC bug 67903); rebuild: bash scripts/setup.sh"
+    )
+
+
+def _warn_if_embedded_libstdcxx() -> None:
+    """Print a warning if the installed build's libraries carry their own C++ runtime."""
+    lib_dir = installed_lib_dir()
+    if lib_dir is None:
         return
-    libs = embedded_libstdcxx(Path(next(iter(spec.submodule_search_locations))) / "lib")
+    libs = embedded_libstdcxx(lib_dir)
     if libs:
         print(
             f"llama.cpp: WARNING: {', '.join(libs)} link the C++ runtime statically (no libstdc++.so.6 "
