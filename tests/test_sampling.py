@@ -88,3 +88,25 @@ def test_argmax_on_device_keeps_the_device() -> None:
     meta = torch.empty(3, 7, device="meta")  # stands for a GPU: no host copy, the result stays there
     out = argmax_on_device(meta)
     assert out.device.type == "meta" and out.shape == (3,) and out.dtype == torch.int64
+
+
+def _reference_outside_nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by a full sort of each row (the definition; what logits_to_probs did before)."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    return torch.zeros_like(sorted_x, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat rows (large nuclei, the window grows) to peaked ones
+def test_the_windowed_nucleus_drops_what_a_full_sort_drops(scale: float) -> None:
+    from specdecode.sampling import _outside_nucleus
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    for V in (5, 300, 5000):
+        for top_p in (0.05, 0.5, 0.9, 0.99, 0.999):
+            x = torch.randn(3, V, generator=g) * scale
+            x[1, : V // 3] = float("-inf")  # as after top-k
+            got, want = _outside_nucleus(x, top_p), _reference_outside_nucleus(x, top_p)
+            assert torch.equal(got, want), (V, top_p, int((got != want).sum()))
+            assert not got.gather(-1, x.argmax(-1, keepdim=True)).any()  # the top token always stays

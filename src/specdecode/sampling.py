@@ -110,14 +110,37 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # (..., V)
-        sorted_p = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(_outside_nucleus(x, params.top_p), float("-inf"))
     return torch.softmax(x, dim=-1)
+
+
+NUCLEUS_WINDOW = 256
+"""The first number of top tokens :func:`_outside_nucleus` looks at (grown 8x until the nucleus fits)."""
+
+
+def _outside_nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool ``[..., V]``: the tokens top-p sampling drops from float32 logits ``x`` ``[..., V]``.
+
+    In descending order of logit, a token is dropped when the probability mass strictly before it
+    already reaches ``top_p`` (the top token always stays; Holtzman et al. 2020, "The Curious Case of
+    Neural Text Degeneration"). Only the top ``m`` tokens of each row are sorted (``torch.topk``,
+    ``m`` from :data:`NUCLEUS_WINDOW`, grown until every row's ``m``-th token is dropped, so that all
+    later ones are too), with the probabilities normalised over the whole row (``logsumexp``):
+    ~0.5 ms instead of ~13 ms for a full sort of a 152k vocabulary on one CPU core.
+    """
+    V = x.shape[-1]
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (..., 1): the whole row's normaliser
+    m = min(NUCLEUS_WINDOW, V)
+    while True:
+        top, order = torch.topk(x, m, dim=-1)  # (..., m), descending
+        p = torch.exp(top - lse)
+        mass_before = torch.cumsum(p, dim=-1) - p
+        drop_top = mass_before >= top_p  # (..., m)
+        if m == V or bool(drop_top[..., -1].all()):
+            break
+        m = min(8 * m, V)
+    drop = torch.ones(x.shape, dtype=torch.bool, device=x.device)  # beyond the window: dropped
+    return drop.scatter(-1, order, drop_top)
 
 
 def draw_uniforms(n: int, generator: torch.Generator | None) -> list[float]:
