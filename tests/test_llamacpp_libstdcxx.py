@@ -19,6 +19,7 @@ AMD = {"model": "AMD EPYC", "flags": ["avx2", "avx512f"], "machine": "x86_64"}
 def fake_compiler(tmp_path: Path, dev_link: bool, runtime: Path) -> Path:
     """A ``c++`` that answers ``-print-file-name`` as GCC does: the path where it finds the file,
     else the bare name (``dev_link``: whether it finds ``libstdc++.so``)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     dev = tmp_path / "gcc" / "libstdc++.so"
     if dev_link:
         dev.parent.mkdir(parents=True, exist_ok=True)
@@ -59,6 +60,33 @@ def test_a_compiler_without_the_dev_link_gets_the_shared_runtime_on_its_link_pat
     for var in ("CMAKE_MODULE_LINKER_FLAGS", "CMAKE_EXE_LINKER_FLAGS"):
         assert f"-D{var}=-L{folder}" in args
     assert not any("-L" in a for a in args if "C_FLAGS" in a or "CXX_FLAGS" in a)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux linker layout")
+def test_the_compiler_asked_is_the_argument_then_cxx(
+    tmp_path: Path, runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake_compiler(tmp_path / "a", dev_link=True, runtime=runtime)))
+    assert build.libstdcxx_link_dir() is None
+    static_default = fake_compiler(tmp_path / "b", dev_link=False, runtime=runtime)
+    assert build.libstdcxx_link_dir(str(static_default)) == tmp_path / "cache" / "libstdcxx-link"
+
+
+def test_ldconfig_gives_the_64_bit_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    listing = (
+        "1234 libs found in cache `/etc/ld.so.cache'\n"
+        "\tlibstdc++.so.6 (libc6) => /usr/lib32/libstdc++.so.6\n"
+        "\tlibstdc++.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libstdc++.so.6\n"
+        "\tlibstdc++fs.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libstdc++fs.so.1\n"
+    )
+
+    class Done:
+        stdout = listing
+
+    monkeypatch.setattr(build.subprocess, "run", lambda *args, **kwargs: Done())
+    assert build._ldconfig_path("libstdc++.so.6") == "/lib/x86_64-linux-gnu/libstdc++.so.6"
+    assert build._ldconfig_path("libfoo.so.1") is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux linker layout")

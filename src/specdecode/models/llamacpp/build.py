@@ -161,15 +161,20 @@ def _print_file_name(cxx: str, name: str) -> str | None:
 
 
 def _ldconfig_path(soname: str) -> str | None:
-    """Where ``ldconfig -p`` says the dynamic loader finds ``soname`` (x86-64 / the first entry), or None."""
+    """Where ``ldconfig -p`` says the dynamic loader finds ``soname``, or None: the first 64-bit
+    entry (a line such as ``libstdc++.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libstdc++.so.6``),
+    else the first."""
     for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
         try:
             out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             continue
-        paths = [line.rsplit("=>", 1)[1].strip() for line in out.splitlines()
-                 if line.strip().startswith(soname + " ") and "=>" in line]
-        best = [p for p in paths if "x86-64" in p or "64" in p] or paths
+        entries = [
+            (line.partition("(")[2].partition(")")[0], line.rsplit("=>", 1)[1].strip())
+            for line in out.splitlines()
+            if line.strip().startswith(soname + " ") and "=>" in line
+        ]
+        best = [path for tag, path in entries if "64" in tag] or [path for _, path in entries]
         if best:
             return best[0]
     return None
@@ -192,7 +197,7 @@ def libstdcxx_link_dir(cxx: str | None = None) -> Path | None:
     """
     if not sys.platform.startswith("linux"):
         return None
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = cxx or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx or _print_file_name(cxx, "libstdc++.so") is not None:
         return None
     runtime = _print_file_name(cxx, "libstdc++.so.6") or _ldconfig_path("libstdc++.so.6")
@@ -570,29 +575,25 @@ def cxx_runtime_line() -> str:
     if shutil.which("readelf") is None:
         return "llama.cpp C++ runtime: unknown (no readelf: install binutils)"
     libs = embedded_libstdcxx(lib_dir)
-    if not libs:
-        return "llama.cpp C++ runtime: the shared libstdc++.so.6"
+    what = _embedded_warning(libs) if libs else "the shared libstdc++.so.6"
+    return f"llama.cpp C++ runtime: {what}"
+
+
+def _embedded_warning(libs: list[str]) -> str:
     return (
-        f"llama.cpp C++ runtime: WARNING: {', '.join(libs)} embed their own libstdc++ (a model load can "
-        "crash beside the system's, GCC bug 67903); rebuild: bash scripts/setup.sh"
+        f"WARNING: {', '.join(libs)} embed their own libstdc++ (linked statically); beside the system's "
+        "runtime a model load can crash (GCC bug 67903). Install the compiler's libstdc++ development "
+        "package (e.g. libstdc++-13-dev), then run bash scripts/setup.sh again"
     )
 
 
 def _warn_if_embedded_libstdcxx() -> None:
-    """Print a warning if the installed build's libraries carry their own C++ runtime."""
+    """After an install: print :func:`cxx_runtime_line`'s warning if the installed libraries carry
+    their own C++ runtime (the set-up's smoke test then decides whether the build is used)."""
     lib_dir = installed_lib_dir()
-    if lib_dir is None:
-        return
-    libs = embedded_libstdcxx(lib_dir)
+    libs = embedded_libstdcxx(lib_dir) if lib_dir is not None else []
     if libs:
-        print(
-            f"llama.cpp: WARNING: {', '.join(libs)} link the C++ runtime statically (no libstdc++.so.6 "
-            "needed); beside the system's runtime this can crash at the first model load (GCC bug 67903). "
-            "Install your compiler's libstdc++ development package (e.g. libstdc++-13-dev). The smoke "
-            "test decides whether this build is used.",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"llama.cpp: {_embedded_warning(libs)}", file=sys.stderr, flush=True)
 
 
 def _importable() -> bool:

@@ -253,7 +253,7 @@ def new_context(model: LlamaCppModel, n_ctx: int, n_seq_max: int = 1) -> tuple[A
     from specdecode.models.llamacpp.kernels import reference_kernels
 
     options = model.options
-    on_gpu = bool(getattr(model, "on_gpu", False))
+    on_gpu = model.on_gpu
     flash = options.flash_attn if options.flash_attn is not None else (True if options.exact and not on_gpu else None)
     ctx = _make_context(model, n_ctx, n_seq_max, flash)
     if not options.exact or flash is not True or on_gpu:
