@@ -2,7 +2,7 @@
 
 Called by ``scripts/gpu_check.sh``, which installs the carried wheels first and sets PYTHONPATH:
 
-    python scripts/gpu_check.py gguf-header DIR        # here: DIR/target.hdr + DIR/target.json
+    python scripts/gpu_check.py gguf-header DIR        # here: DIR/{target,draft}.hdr + .json
     python scripts/gpu_check.py run [--llamacpp] [--budget S] [--cpu-dry-run]   # there
 
 ``run`` runs each stage in a child process under its own time limit (a crash, a hang or a CUDA
@@ -14,9 +14,16 @@ it also writes ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.md``. Stages:
              in a dry run): the target's pass-cost curve through specdecode's ModelRunner, then
              tok/s of transformers' generate (plain, assisted by the draft, prompt lookup) and of
              specdecode (target alone, draft_model, prompt_lookup) on fixed token-id prompts
+  heads      the shipped EAGLE head's and Medusa heads' configuration with random weights: ms of
+             an EAGLE head forward + logits at widths 1-16 (400 in its cache) and of a Medusa
+             evaluation, and a cost-table fragment {"eagle": ..., "medusa": ...}
+  cli        the command line on random-weight Hugging Face folders (doctor, generate, bench)
   llamacpp   (--llamacpp) build the carried llama-cpp-python source with CUDA under a time limit
-             (paused while the torch stage times), then time a GGUF of the default target's
-             layout (carried header + random data) on llama.cpp: pass costs and tok/s
+             (paused while the torch stage times), then time GGUFs of the default target's and
+             draft's layouts (carried headers + random data) on llama.cpp: pass costs and tok/s,
+             and a cost-table fragment {"target": ..., "draft": ...}
+  compile    (--compile) the target's graphs runner with torch.compile; the draft's too where
+             the stage's limit leaves time
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PASS_NS = (1, 2, 3, 5, 9, 17, 33)
+DRAFT_NS = (1, 2, 3, 5, 9)  # the draft's pass widths (a chain step, and catching up accepted tokens)
 # The default pair's architecture (Qwen2.5-Coder-1.5B / 0.5B); weights random.
 TARGET_CONFIG = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                      num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
@@ -306,7 +314,7 @@ def stage_torch(result_path: Path, dry: bool, quick: bool = False) -> None:
 
     kinds = ("graphs",) if quick else ("eager", "graphs")
     for kind in kinds:
-        for label, model, ns in (("target", target, PASS_NS + (prompt_len,)), ("draft", draft, (1, 2, 3, 5, 9))):
+        for label, model, ns in (("target", target, PASS_NS + (prompt_len,)), ("draft", draft, DRAFT_NS)):
             if model is None:
                 continue
             key = label if kind == "eager" else f"{label}_graphs"
@@ -402,22 +410,217 @@ def stage_torch(result_path: Path, dry: bool, quick: bool = False) -> None:
     save()
 
 
-def stage_compile(result_path: Path, dry: bool) -> None:
+# --------------------------------------------------------------------------- stage: drafter heads (child)
+# The shipped drafters' configuration for the default target (src/specdecode/data/drafters/*/drafter.json,
+# which `gpu_check.sh hold` leaves in place), used where those files cannot be read.
+SHIPPED_DRAFTER_CONFIGS: dict[str, dict[str, Any]] = {
+    "eagle": dict(kind="eagle", hidden_size=1536, vocab_size=151936, draft_vocab_size=16384, num_heads=4,
+                  intermediate_size=2048, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "medusa": dict(kind="medusa", hidden_size=1536, vocab_size=151936, draft_vocab_size=16384, num_heads=4),
+}
+DEFAULT_TARGET_NAME = "Qwen2.5-Coder-1.5B-Instruct"
+HEAD_WIDTHS = (1, 2, 4, 8, 16)  # EAGLE forwards: 1 per chain step; a tree's depth has W nodes
+DRY_EMBED_ROWS = 4096  # the dry run's token embeddings: this many rows of the target's (token ids below it)
+
+
+def shipped_drafter_config(kind: str) -> tuple[dict[str, Any], str]:
+    """(the shipped ``kind`` drafter's :class:`~specdecode.drafters.heads.DrafterConfig` fields for the
+    default target, without ``target`` and ``training``; where they came from): its ``drafter.json``, else
+    :data:`SHIPPED_DRAFTER_CONFIGS`."""
+    folder = ROOT / "src" / "specdecode" / "data" / "drafters"
+    for path in sorted(folder.glob(f"{kind}-{DEFAULT_TARGET_NAME}*/drafter.json")):
+        try:
+            config = json.loads(path.read_text())
+            if config.get("kind") == kind:
+                return ({k: v for k, v in config.items() if k not in ("target", "training")},
+                        str(path.relative_to(ROOT)))
+        except (OSError, ValueError):
+            continue
+    return dict(SHIPPED_DRAFTER_CONFIGS[kind]), "constants in scripts/gpu_check.py (no drafter.json found)"
+
+
+class HeadPass:
+    """A drafter evaluation shaped as the runner :func:`pass_ms` times: ``forward(ids, num_logits)``
+    runs ``step(ids)``, ``truncate(n)`` runs ``crop(n)``."""
+
+    def __init__(self, step: Callable[[Any], Any], crop: Callable[[int], None] = lambda n: None) -> None:
+        self.step, self.crop = step, crop
+
+    def forward(self, x: Any, num_logits: int | None = None) -> Any:
+        return self.step(x)
+
+    def truncate(self, n: int) -> None:
+        self.crop(n)
+
+
+def time_drafter_heads(configs: dict[str, dict[str, Any]], dev: Any, dtype: Any, depth: int, reps: int,
+                       warmups: int, widths: tuple[int, ...] = HEAD_WIDTHS, embed_rows: int | None = None,
+                       sync: Callable[[], None] = lambda: None, res: dict[str, Any] | None = None,
+                       save: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Median ms of the trained drafters' evaluations with random weights of ``configs`` (DrafterConfig
+    fields by kind) through the proposers' own code, written into ``res`` (returned) after each figure:
+
+    - ``eagle_ms`` {W: ms}: :meth:`EagleProposer._head` over W tokens with ``depth`` entries in the head's
+      KV cache (causal, no mask: a chain step, W = 1, or the sync of accepted tokens) then
+      ``drafter.logits`` of its W rows; the cache cut back to ``depth`` after each;
+    - ``eagle_tree_mask_ms`` {W: ms}: the same with a tree's 4D mask (built on the device from a bool
+      ``[W, depth + W]``, as ``_head`` does for a tree's depth of W nodes), W > 1;
+    - ``medusa_ms`` {"1": ms}: :meth:`MedusaProposer.head_logits` (every head at once, one feature);
+    - ``cost_table_fragment``: ``{"eagle": eagle_ms, "medusa": medusa_ms}`` (the cost tables' keys).
+
+    ``embed_rows``: rows of the random token embeddings (None: the whole vocabulary), token ids below it.
+    """
+    import torch
+    from torch import nn
+
+    from specdecode.drafters.heads import DrafterConfig, build_drafter
+
+    res = {} if res is None else res
+    res.setdefault("errors", {})
+    for kind in ("eagle", "medusa"):
+        if kind not in configs:
+            continue
+        try:
+            config = DrafterConfig(**configs[kind])
+            H, N, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
+            rows = min(V, embed_rows or V)
+            torch.manual_seed(2 if kind == "eagle" else 3)
+            drafter = build_drafter(config, torch.randperm(V)[:N].sort().values)
+            with torch.device(dev):
+                embed = nn.Embedding(rows, H).to(dtype)
+                head_rows = torch.randn(N, H, dtype=dtype) * H**-0.5
+            if kind == "medusa":  # random weights, not the identity start (same cost, outputs that vary)
+                for block in drafter.blocks:
+                    nn.init.normal_(block.weight, std=H**-0.5)
+            drafter.attach_parts(head_rows, embed, dtype)
+            timing = dict(dev=dev, dtype=dtype, depth=depth, reps=reps, warmups=warmups, sync=sync,
+                          token_limit=min(rows, 150000), res=res, save=save)
+            with torch.inference_mode():
+                if kind == "eagle":
+                    _time_eagle(drafter, widths, **timing)
+                else:
+                    _time_medusa(drafter, **timing)
+            del drafter, embed, head_rows
+        except Exception as error:  # noqa: BLE001 - recorded, the other drafter goes on
+            res["errors"][kind] = error_text(error)
+            save()
+    fragment = {key: res[f"{key}_ms"] for key in ("eagle", "medusa") if res.get(f"{key}_ms")}
+    if fragment:
+        res["cost_table_fragment"] = fragment
+        save()
+    return res
+
+
+def _time_eagle(drafter: Any, widths: tuple[int, ...], dev: Any, dtype: Any, depth: int, reps: int, warmups: int,
+                sync: Callable[[], None], token_limit: int, res: dict[str, Any], save: Callable[[], None]) -> None:
+    """:func:`time_drafter_heads`'s EAGLE figures, through an :class:`EagleProposer` of ``drafter``."""
+    import torch
+
+    from specdecode.proposers.eagle import EagleProposer
+
+    proposer = EagleProposer(drafter)
+    H = drafter.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    context = torch.randint(0, token_limit, (depth,), generator=g)
+    proposer._head(torch.randn(depth, H, generator=g).to(dev, dtype), context, torch.arange(1, depth + 1))  # cached
+    features = torch.randn(max(widths), H, generator=g).to(dev, dtype)  # predicted features, on the device
+    positions = {w: torch.arange(depth + 1, depth + 1 + w) for w in widths}
+    masks = {}
+    for w in widths:  # a chain's mask in a tree's form: every cached pair, then causal
+        mask = torch.zeros(w, depth + w, dtype=torch.bool)
+        mask[:, :depth] = True
+        mask[:, depth:] = torch.tril(torch.ones(w, w, dtype=torch.bool))
+        masks[w] = mask
+
+    def step(x: Any, masked: bool) -> Any:
+        w = int(x.shape[0])
+        out = proposer._head(features[:w], x, positions[w], masks[w] if masked else None)  # (w, H)
+        return proposer.drafter.logits(out)  # (w, N)
+
+    for key, masked in (("eagle_ms", False), ("eagle_tree_mask_ms", True)):
+        timer = HeadPass(lambda x, m=masked: step(x, m), proposer._crop)
+        for w in widths:
+            if masked and w == 1:
+                continue
+            x = torch.randint(0, token_limit, (w,), generator=g)
+            res.setdefault(key, {})[str(w)] = pass_ms(timer, x, depth, reps, warmups, sync)
+            save()
+    res["eagle_cache_entries_after"] = int(proposer.cache.get_seq_length())
+
+
+def _time_medusa(drafter: Any, dev: Any, dtype: Any, depth: int, reps: int, warmups: int, sync: Callable[[], None],
+                 token_limit: int, res: dict[str, Any], save: Callable[[], None]) -> None:
+    """:func:`time_drafter_heads`'s Medusa figure, through a :class:`MedusaProposer` of ``drafter``."""
+    import torch
+
+    from specdecode.proposers.medusa import MedusaProposer
+
+    proposer = MedusaProposer(drafter)
+    g = torch.Generator().manual_seed(6)
+    proposer.observe_features(torch.randn(depth, drafter.config.hidden_size, generator=g).to(dev, dtype))
+    context = torch.randint(0, token_limit, (depth + 1,), generator=g)
+    timer = HeadPass(lambda x: proposer.head_logits(context))
+    res["medusa_ms"] = {"1": pass_ms(timer, context[:1], depth, reps, warmups, sync)}
+    res["medusa_logits_shape"] = list(proposer.head_logits(context).shape)
+    save()
+
+
+def stage_heads(result_path: Path, dry: bool) -> None:
+    """The shipped EAGLE head's and Medusa heads' configuration for the default target with random
+    weights (bf16 on CUDA; float32 on the CPU in a dry run, the token embeddings cut to
+    :data:`DRY_EMBED_ROWS` rows): :func:`time_drafter_heads` at 400 cached (40 in a dry run), median of
+    10 after 3 warm-ups, synchronized. Writes ``result_path`` after each figure, with a cost-table
+    fragment ``{"eagle": {W: ms}, "medusa": {"1": ms}}`` (src/specdecode/bench/cost_table.py's keys)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not dry
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    depth, reps, warmups = (40, 3, 1) if dry else (400, 10, 3)
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)" if dry else
+                           "cpu (no CUDA)", "dtype": str(dtype).split(".")[-1], "errors": {},
+                           "settings": {"cache_entries": depth, "reps": reps, "warmups": warmups,
+                                        "widths": list(HEAD_WIDTHS), "mode": "eager",
+                                        "embed_rows": DRY_EMBED_ROWS if dry else "vocabulary"}}
+    save = lambda: write_json(result_path, res)  # noqa: E731
+    save()
+    if not cuda and not dry:
+        res["errors"]["heads"] = "CUDA is not available (torch.cuda.is_available() is False); nothing timed"
+        save()
+        return
+    configs, sources = {}, {}
+    for kind in ("eagle", "medusa"):
+        configs[kind], sources[kind] = shipped_drafter_config(kind)
+    res["drafter_configs"] = {kind: {"source": sources[kind], **configs[kind]} for kind in configs}
+    save()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    time_drafter_heads(configs, dev, dtype, depth, reps, warmups, embed_rows=DRY_EMBED_ROWS if dry else None,
+                       sync=sync, res=res, save=save)
+    res["timing_s"] = round(time.perf_counter() - t0, 1)
+    save()
+
+
+def stage_compile(result_path: Path, dry: bool, limit: float | None = None) -> None:
     """The target's static-cache runner with ``torch.compile`` (inductor, default mode) before the
     capture, written to ``result_path`` after each measurement: first greedy tok/s of the target
     alone (128 new tokens after a 256-token prompt; compiling and capturing width 1 in a warm-up),
     then seconds to compile and capture widths 1 and 9 in a runner of its own, their pass costs
-    (400 cached) and the argmax rows equal to the uncompiled graphs runner's."""
+    (400 cached) and the argmax rows equal to the uncompiled graphs runner's (:func:`compiled_passes`).
+    Optional, where the stage's ``limit`` (seconds) leaves time: the draft's the same way at widths 1
+    and 2 (keys ``draft_compile_s``, ``draft_pass_cost_ms``, ``draft_argmax_equal_to_graphs``; ``draft``
+    says what happened)."""
     import torch
 
     from specdecode import SamplingParams, SpeculativeGenerator
-    from specdecode.models.torch.static_runner import (
-        StaticCacheRunner,
-        StaticCacheSettings,
-        forget_static_cache,
-        use_static_cache,
-    )
+    from specdecode.models.torch.static_runner import StaticCacheSettings, forget_static_cache, use_static_cache
 
+    t_stage = time.monotonic()
     cuda = torch.cuda.is_available() and not dry
     dev = torch.device("cuda" if cuda else "cpu")
     out: dict[str, Any] = {"compile_s": {}, "pass_cost_ms": {}, "argmax_equal_to_graphs": {}, "errors": {},
@@ -461,32 +664,75 @@ def stage_compile(result_path: Path, dry: bool) -> None:
     except Exception as error:  # noqa: BLE001
         out["errors"]["compiled target alone"] = error_text(error)
         save()
+    compiled_passes(target, (1, 9), settings, depth, reps, dry, sync, out, save, "")
+    # optional: the draft (0.5B) the same way at widths 1 and 2, where the stage's limit leaves time for
+    # two more compilations (each as long as the target's slowest, plus a margin)
+    del target
+    if cuda:
+        torch.cuda.empty_cache()
+    slowest = max([v for k, v in out["compile_s"].items() if k.isdigit()] or [0.0])
+    needed = 2 * slowest + (5 if dry else 20)
+    spent = time.monotonic() - t_stage
+    if limit is not None and spent + needed > limit:
+        out["draft"] = (f"skipped: {spent:.0f} s of the stage's {limit:.0f} s spent; two compilations of the "
+                        f"draft need ~{needed:.0f} s")
+        save()
+        return
+    t_draft = time.monotonic()
+    draft = random_models(out, save, dev, torch.bfloat16 if cuda else torch.float32, dry, ("draft",)).get("draft")
+    if draft is None:
+        return
+    try:  # two more compilations of the same code: keep them under dynamo's recompilation limit
+        dynamo = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if isinstance(getattr(dynamo, name, None), int):
+                setattr(dynamo, name, max(getattr(dynamo, name), 64))
+    except AttributeError:
+        pass
+    compiled_passes(draft, (1, 2), settings, depth, reps, dry, sync, out, save, "draft_")
+    out["draft"] = f"measured in {time.monotonic() - t_draft:.0f} s (built, compiled, timed)"
+    save()
+
+
+def compiled_passes(model: Any, widths: tuple[int, ...], settings: Any, depth: int, reps: int, dry: bool,
+                    sync: Callable[[], None], out: dict[str, Any], save: Callable[[], None], prefix: str) -> None:
+    """Seconds to compile and capture each width in a compiled static-cache runner of ``model`` (``settings``)
+    after ``depth`` cached tokens, its pass cost (median of ``reps``) and its argmax rows equal to the
+    uncompiled graphs runner's, into ``out[prefix + "compile_s" | "pass_cost_ms" | "argmax_equal_to_graphs"]``."""
+    import torch
+
+    from specdecode.models.torch.static_runner import StaticCacheRunner, StaticCacheSettings
+
+    name = prefix.rstrip("_") or "target"
+    for key in ("compile_s", "pass_cost_ms", "argmax_equal_to_graphs"):
+        out.setdefault(prefix + key, {})
     try:
-        runner = StaticCacheRunner(target, settings=settings)
-        plain = StaticCacheRunner(target, settings=StaticCacheSettings(stand_in=dry))
+        runner = StaticCacheRunner(model, settings=settings)
+        plain = StaticCacheRunner(model, settings=StaticCacheSettings(stand_in=dry))
         g = torch.Generator().manual_seed(0)
-        vocab = min(target.config.vocab_size, 150000)
+        vocab = min(model.config.vocab_size, 150000)
         with torch.inference_mode():
             context = torch.randint(0, vocab, (depth,), generator=g)
             runner.forward(context)
             plain.forward(context)
-            for n in (1, 9):
+            for n in widths:
                 x = torch.randint(0, vocab, (n,), generator=g)
                 sync()
                 t = time.perf_counter()
                 a = runner.forward(x, num_logits=n)
                 sync()
-                out["compile_s"][str(n)] = round(time.perf_counter() - t, 1)
+                out[prefix + "compile_s"][str(n)] = round(time.perf_counter() - t, 1)
                 b = plain.forward(x, num_logits=n)
-                out["argmax_equal_to_graphs"][str(n)] = f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{n}"
+                out[prefix + "argmax_equal_to_graphs"][str(n)] = f"{int((a.argmax(-1) == b.argmax(-1)).sum())}/{n}"
                 runner.truncate(depth)
                 plain.truncate(depth)
-                out["pass_cost_ms"][str(n)] = pass_ms(runner, x, depth, reps, warmups=0, sync=sync)
+                out[prefix + "pass_cost_ms"][str(n)] = pass_ms(runner, x, depth, reps, warmups=0, sync=sync)
                 save()
         if runner.graphs_failed:
-            out["errors"]["compiled graphs"] = runner.graphs_failed
+            out["errors"][f"compiled graphs {name}"] = runner.graphs_failed
+        del runner, plain
     except Exception as error:  # noqa: BLE001
-        out["errors"]["compiled passes"] = error_text(error)
+        out["errors"][f"compiled passes {name}"] = error_text(error)
     save()
 
 
@@ -704,10 +950,12 @@ def greedy_identity(runner: Any, vocab: int, depth: int, trials: int, seed: int 
             "max_abs_logit_diff": {str(w): float(f"{diff[w]:.3g}") for w in widths}, "trials": trials}
 
 
-def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
+def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | None = None) -> None:
     """Pass costs, greedy identity per verification width (:func:`greedy_identity`) and tok/s of the
-    GGUF on llama.cpp (all layers on the GPU where the build has one), in fast and exact mode."""
-    import torch
+    GGUF on llama.cpp (all layers on the GPU where the build has one), in fast and exact mode; then
+    the pass costs of ``draft_gguf`` (fast mode, widths :data:`DRAFT_NS`) and a cost-table fragment
+    ``{"target": fast mode's curve, "draft": the draft's}`` (h100-llamacpp-cuda-q4km.json's keys)."""
+    import torch  # noqa: F401 - before llama_cpp, as specdecode loads them
 
     from specdecode import SamplingParams, SpeculativeGenerator
     from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
@@ -720,6 +968,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
                            "pass_cost_ms": {}, "greedy_identity": {}, "methods": {}, "errors": {}}
     depth, reps, ns = (16, 1, (1, 3)) if dry else (400, 10, PASS_NS)
     res["pass_cost_depth"] = depth
+    res["pass_cost_reps"] = reps
     write_json(result_path, res)
     threads = 1 if dry else None  # dry run: one thread (spinning threads crawl on a busy 2-core box)
     new_tokens, prompt_len = (6, 24) if dry else (128, 256)
@@ -730,15 +979,9 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
             model = LlamaCppModel(gguf, LlamaCppOptions(n_ctx=2048, exact=exact, threads=threads))
             res[f"load_s {label}"] = round(time.perf_counter() - t0, 1)
             runner = model.make_runner()
-            g = torch.Generator().manual_seed(0)
             vocab = min(model.vocab_size, 150000)  # below Qwen's special tokens
-            runner.forward(torch.randint(0, vocab, (depth,), generator=g))
-            row: dict[str, float] = {}
-            for n in ns:
-                x = torch.randint(0, vocab, (n,), generator=g)
-                row[str(n)] = pass_ms(runner, x, depth, reps, warmups=1)
-                res["pass_cost_ms"][label] = row
-                write_json(result_path, res)
+            llama_pass_costs(runner, vocab, depth, ns, reps, res["pass_cost_ms"].setdefault(label, {}),
+                             lambda: write_json(result_path, res))
             try:
                 res["greedy_identity"][label] = greedy_identity(runner, vocab, depth, 2 if dry else 20)
             except Exception as error:  # noqa: BLE001
@@ -779,6 +1022,37 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool) -> None:
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
             write_json(result_path, res)
+    if draft_gguf is not None:  # the draft's passes (a draft never verifies: fast mode only)
+        label = "draft exact=False"
+        try:
+            t0 = time.perf_counter()
+            model = LlamaCppModel(draft_gguf, LlamaCppOptions(n_ctx=2048, exact=False, threads=threads))
+            res["load_s draft"] = round(time.perf_counter() - t0, 1)
+            runner = model.make_runner()
+            llama_pass_costs(runner, min(model.vocab_size, 150000), depth, DRAFT_NS, reps,
+                             res["pass_cost_ms"].setdefault(label, {}), lambda: write_json(result_path, res))
+            del runner, model
+        except Exception as error:  # noqa: BLE001
+            res["errors"][label] = error_text(error)
+    curves = (("target", "exact=False"), ("draft", "draft exact=False"))
+    fragment = {role: res["pass_cost_ms"][key] for role, key in curves if res["pass_cost_ms"].get(key)}
+    if fragment:
+        res["cost_table_fragment"] = fragment
+    write_json(result_path, res)
+
+
+def llama_pass_costs(runner: Any, vocab: int, depth: int, ns: tuple[int, ...], reps: int, row: dict[str, float],
+                     save: Callable[[], None]) -> None:
+    """Median ms of a pass of n random tokens (below ``vocab``) after ``depth`` cached, for each n in
+    ``ns``, into ``row`` (saved after each)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    runner.forward(torch.randint(0, vocab, (depth,), generator=g))
+    for n in ns:
+        x = torch.randint(0, vocab, (n,), generator=g)
+        row[str(n)] = pass_ms(runner, x, depth, reps, warmups=1)
+        save()
 
 
 def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_tokens: int,
@@ -812,22 +1086,24 @@ def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_t
 
 
 # --------------------------------------------------------------------------- here: GGUF header
-def gguf_header(out_dir: Path, spec: str | None = None) -> None:
-    """Write a packaged GGUF's header (metadata, vocabulary, tensor table) to ``out_dir/target.hdr`` and
-    its data size to ``target.json``: the default target's (``spec`` None), or e.g. ``"smollm2"``'s."""
+def gguf_header(out_dir: Path, spec: str | None = None, role: str = "target") -> None:
+    """Write a packaged GGUF's header (metadata, vocabulary, tensor table) to ``out_dir/ROLE.hdr`` and
+    its data size to ``ROLE.json``: the default ``role`` model's (``spec`` None; ``"target"`` or
+    ``"draft"``), or e.g. ``"smollm2"``'s (written under the name ``role``)."""
     from gguf import GGUFReader
 
     from specdecode.models.default import packaged_gguf
 
-    model = Path(packaged_gguf(spec, "target"))
+    model = Path(packaged_gguf(spec, role))
     offset = GGUFReader(str(model)).data_offset
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(model, "rb") as f:
-        (out_dir / "target.hdr").write_bytes(f.read(offset))
+        (out_dir / f"{role}.hdr").write_bytes(f.read(offset))
     info = {"source": model.name, "header_bytes": offset, "data_bytes": model.stat().st_size - offset}
-    (out_dir / "target.json").write_text(json.dumps(info, indent=1))
+    (out_dir / f"{role}.json").write_text(json.dumps(info, indent=1))
     data_gib = info["data_bytes"] / 2**30
-    log(f"GGUF header of {model.name}: {offset / 2**20:.1f} MiB (its {data_gib:.2f} GiB of weights: random there)")
+    log(f"GGUF header of {model.name} (as the {role}): {offset / 2**20:.1f} MiB (its {data_gib:.2f} GiB of weights: "
+        "random there)")
 
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -968,6 +1244,26 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   "| model | " + " | ".join(f"n={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(n)), 2) for n in ns) + " |"
                   for label, row in curves.items()]
+    heads = stages.get("heads", {})
+    head_rows = [(label, heads[key]) for label, key in (
+        ("EAGLE head + logits (chain step / sync: causal)", "eagle_ms"),
+        ("EAGLE head + logits (a tree's depth: 4D mask)", "eagle_tree_mask_ms"),
+        (f"Medusa, {heads.get('drafter_configs', {}).get('medusa', {}).get('num_heads', '?')} heads + logits",
+         "medusa_ms")) if heads.get(key)]
+    if head_rows:
+        ws = sorted({int(w) for _, row in head_rows for w in row})
+        hs = heads.get("settings", {})
+        lines += ["", f"Trained drafters' evaluations (ms, median of {hs.get('reps', '?')}, {hs.get('mode', '?')}, "
+                  f"{heads.get('dtype', '?')}, random weights of the shipped configs; "
+                  f"{hs.get('cache_entries', '?')} entries in the EAGLE head's cache; W tokens):", "",
+                  "| drafter | " + " | ".join(f"W={w}" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
+        lines += [f"| {label} | " + " | ".join(fmt(row.get(str(w)), 3) for w in ws) + " |" for label, row in head_rows]
+        if heads.get("cost_table_fragment"):
+            lines.append(f"\nCost-table fragment (h100-torch-graphs-bf16.json): "
+                         f"`{json.dumps(heads['cost_table_fragment'])}`")
+    if llama_res.get("cost_table_fragment"):
+        lines.append(f"\nCost-table fragment (h100-llamacpp-cuda-q4km.json): "
+                     f"`{json.dumps(llama_res['cost_table_fragment'])}`")
     identity = llama_res.get("greedy_identity", {})
     if identity:
         widths = sorted({int(w) for entry in identity.values() for w in entry["rate"]})
@@ -991,6 +1287,11 @@ def summary_markdown(res: dict[str, Any]) -> str:
         lines += ["", f"torch.compile + graphs (target): compile+capture s {compiled.get('compile_s')}, pass ms "
                   f"{compiled.get('pass_cost_ms')}, argmax rows = uncompiled graphs "
                   f"{compiled.get('argmax_equal_to_graphs')}, target alone {compiled.get('target_tok_s', '—')} tok/s"]
+    if compiled.get("draft"):
+        lines.append(f"torch.compile + graphs (draft, optional): {compiled['draft']}"
+                     + (f"; compile+capture s {compiled.get('draft_compile_s')}, pass ms "
+                        f"{compiled.get('draft_pass_cost_ms')}, argmax rows = uncompiled graphs "
+                        f"{compiled.get('draft_argmax_equal_to_graphs')}" if compiled.get("draft_compile_s") else ""))
     if torch_res.get("graphs_captured"):
         lines.append(f"\nCUDA graphs captured (widths): {torch_res['graphs_captured']}")
     cli = stages.get("cli", {})
@@ -1004,7 +1305,7 @@ def summary_markdown(res: dict[str, Any]) -> str:
     lines += ["", "Stages:"]
     for name, stage in stages.items():
         seconds = f" ({stage['seconds']} s)" if "seconds" in stage else ""
-        detail = stage.get("note") or stage.get("exit") or ""
+        detail = "; ".join(filter(None, [stage.get("note") or stage.get("exit"), stage.get("order")]))
         lines.append(f"- {name}: {stage.get('status', '?')}{seconds}{' — ' + detail if detail else ''}")
         lines += [f"  - {key}: {message}" for key, message in stage.get("errors", {}).items()]
         lines += [f"  - {key}: {stage[key]}" for key in ("libstdcxx_link_dir", "embedded_libstdcxx") if key in stage]
@@ -1080,8 +1381,9 @@ def run(args: argparse.Namespace) -> int:
         env = {**env, "PYTHONPATH": f"{simulate}:{env.get('PYTHONPATH', '')}", "GPU_CHECK_SITE": args.site,
                "GPU_CHECK_MISSING": ",".join(MISSING_THERE), "OMP_NUM_THREADS": "1"}  # 1: a shared box's cores
         log(f"dry run: {', '.join(MISSING_THERE)} importable only from {args.site} (as on the GPU machine)")
-    limits = {"pytest": 60, "torch": 60, "cli": 150, "llamacpp": 90, "compile": 90, "build": 15} if dry else \
-        {"pytest": 180, "torch": 240, "cli": 240, "llamacpp": 120, "compile": 300, "build": args.budget}
+    limits = {"pytest": 60, "torch": 60, "heads": 60, "cli": 150, "llamacpp": 90, "compile": 120, "build": 15} \
+        if dry else {"pytest": 180, "torch": 240, "heads": 60, "cli": 240, "llamacpp": 120, "compile": 300,
+                     "build": args.budget}
     # pytest: 95 s alone on the H100 host, over 120 s on 4 cores beside the llama.cpp build
     build: Child | str | None = None
     split = split_cores(dry) if args.llamacpp else None
@@ -1121,6 +1423,17 @@ def run(args: argparse.Namespace) -> int:
             res["stages"]["torch"] = {"status": "failed", "errors": {"stage": error_text(error)}}
     else:
         res["stages"]["torch"] = {"status": "skipped", "note": "out of time budget"}
+    # b1: the trained drafters' evaluations (EAGLE head, Medusa heads) with random weights (~20 s)
+    if "heads" not in args.stages:
+        res["stages"]["heads"] = {"status": "skipped", "note": "not asked for (--stages)"}
+    elif left() > 10:
+        try:
+            res["stages"]["heads"] = run_child_stage("heads", python, env, work, limit_for(limits["heads"]),
+                                                     ["--cpu-dry-run"] if dry else [])
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["heads"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+    else:
+        res["stages"]["heads"] = {"status": "skipped", "note": "out of time budget"}
     # b2: the command line on random-weight folders (doctor, generate --compare, bench with peers)
     if "cli" not in args.stages:
         res["stages"]["cli"] = {"status": "skipped", "note": "not asked for (--stages)"}
@@ -1138,23 +1451,41 @@ def run(args: argparse.Namespace) -> int:
         build.paused_s = time.monotonic() - paused
         build.signal(signal.SIGCONT)
 
-    # c: llama.cpp: finish the build within what is left, then time the GGUF
+    def compile_stage(limit: float) -> dict[str, Any]:
+        try:
+            return run_child_stage("compile", python, env, work, limit,
+                                   ["--limit", f"{limit:.0f}", *(["--cpu-dry-run"] if dry else [])])
+        except Exception as error:  # noqa: BLE001
+            return {"status": "failed", "errors": {"stage": error_text(error)}}
+
+    # c0: torch.compile before waiting for a build that runs on cores of its own and is not done: its
+    # minutes of compilation overlap the build's, and the llama.cpp stage keeps its time after it
+    if ("compile" in args.stages and split is not None and isinstance(build, Child) and build.proc.poll() is None
+            and left(5.0 + limits["llamacpp"]) > 60):
+        res["stages"]["compile"] = compile_stage(min(limits["compile"], left(5.0 + limits["llamacpp"])))
+        res["stages"]["compile"]["order"] = "beside the llama.cpp build, before its timing"
+
+    # c: llama.cpp: finish the build within what is left, then time the GGUFs
     if args.llamacpp:
         res["stages"]["llamacpp"] = stage_llamacpp_all(build, python, llama_env, work, gpu_dir, dry, limits, left,
                                                        args.site)
-    # d: torch.compile last: its compilation takes minutes, and what it measures is a stretch
-    if "compile" not in args.stages:
+    # d: torch.compile last otherwise: its compilation takes minutes, and what it measures is a stretch
+    if "compile" in res["stages"]:
+        pass
+    elif "compile" not in args.stages:
         res["stages"]["compile"] = {"status": "skipped", "note": "not asked for (--stages or --compile)"}
     elif left() > 30:
-        try:
-            res["stages"]["compile"] = run_child_stage("compile", python, env, work, limit_for(limits["compile"]),
-                                                       ["--cpu-dry-run"] if dry else [])
-        except Exception as error:  # noqa: BLE001
-            res["stages"]["compile"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+        res["stages"]["compile"] = compile_stage(limit_for(limits["compile"]))
     else:
         res["stages"]["compile"] = {"status": "skipped", "note": "out of time budget"}
 
     shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
+    fragments = {table: res["stages"].get(stage, {}).get("cost_table_fragment")
+                 for stage, table in (("heads", "h100-torch-graphs-bf16.json"),
+                                      ("llamacpp", "h100-llamacpp-cuda-q4km.json"))}
+    res["cost_table_fragments"] = {table: fragment for table, fragment in fragments.items() if fragment}
+    if dry:
+        res["cost_table_fragments"]["note"] = "CPU dry run: not timings, do not ship"
     res["seconds"] = round(time.monotonic() - t_start, 1)
     text = summary_markdown(res)
     print("\n" + text, flush=True)
@@ -1204,37 +1535,47 @@ def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, st
         return out
     if dry and not built:  # pip --target writes nothing until the build is done: .venv's llama_cpp is used
         out["note"] = f"{out['build']}; dry run: llama_cpp from .venv"
-    header, info_path = gpu_dir / "target.hdr", gpu_dir / "target.json"
-    if dry:  # SmolLM2-135M's layout instead of the 1.5B target's: the same path, seconds on 2 cores
+    ggufs: dict[str, Path] = {}
+    for role in ("target", "draft"):
+        header, info_path = gpu_dir / f"{role}.hdr", gpu_dir / f"{role}.json"
+        if dry:  # SmolLM2-135M's layout for both instead of the 1.5B and 0.5B: the same path, seconds on 2 cores
+            try:
+                gguf_header(work, "smollm2", role)
+                header, info_path = work / f"{role}.hdr", work / f"{role}.json"
+            except Exception as error:  # noqa: BLE001
+                out["errors"][f"smollm2 header ({role})"] = f"{error_text(error)}; the default {role}'s header is used"
+        if not header.is_file() or not info_path.is_file():
+            if role == "target":
+                out.update(status="skipped", note=f"no GGUF header in {gpu_dir} (prepare makes it)")
+                return out
+            out["draft_gguf"] = f"not timed: no {header} (prepare makes it)"
+            continue
+        info = json.loads(info_path.read_text())
+        gguf = work / f"random-{role}-{info['source']}"
         try:
-            gguf_header(work, "smollm2")
-            header, info_path = work / "target.hdr", work / "target.json"
+            t0 = time.monotonic()
+            fill_gguf(header, int(info["data_bytes"]), gguf)
+            out["gguf" if role == "target" else "draft_gguf"] = f"{info['source']}'s layout, random weights"
+            out["fill_s" if role == "target" else "draft_fill_s"] = round(time.monotonic() - t0, 1)
+            ggufs[role] = gguf
         except Exception as error:  # noqa: BLE001
-            out["errors"]["smollm2 header"] = f"{error_text(error)}; the default target's header is used"
-    if not header.is_file() or not info_path.is_file():
-        out.update(status="skipped", note=f"no GGUF header in {gpu_dir} (prepare makes it)")
-        return out
-    source = json.loads(info_path.read_text())["source"]
-    gguf = work / f"random-{source}"
-    try:
-        t0 = time.monotonic()
-        fill_gguf(header, int(json.loads(info_path.read_text())["data_bytes"]), gguf)
-        out["gguf"] = f"{source}'s layout, random weights"
-        out["fill_s"] = round(time.monotonic() - t0, 1)
-    except Exception as error:  # noqa: BLE001
-        out.update(status="failed", note=f"could not write the GGUF: {error_text(error)}")
-        return out
+            if role == "target":
+                out.update(status="failed", note=f"could not write the GGUF: {error_text(error)}")
+                return out
+            out["errors"]["draft gguf"] = f"could not write the draft's GGUF: {error_text(error)}"
     if left() < 10:
         out.update(status="skipped", note="out of time budget after the build")
         return out
-    timed = run_child_stage("llamacpp", python, env, work, min(limits["llamacpp"], left()),
-                            [str(gguf), *(["--cpu-dry-run"] if dry else [])])
+    extra = [str(ggufs["target"]), *(["--draft-gguf", str(ggufs["draft"])] if "draft" in ggufs else []),
+             *(["--cpu-dry-run"] if dry else [])]
+    timed = run_child_stage("llamacpp", python, env, work, min(limits["llamacpp"], left()), extra)
     if "SIGSEGV" in timed.get("exit", "") and not dry:
-        timed["crash_diagnosis"] = crash_diagnosis(python, env, site, gguf)
-    try:
-        gguf.unlink()
-    except OSError:
-        pass
+        timed["crash_diagnosis"] = crash_diagnosis(python, env, site, ggufs["target"])
+    for gguf in ggufs.values():
+        try:
+            gguf.unlink()
+        except OSError:
+            pass
     timed["note"] = "; ".join(filter(None, [out.get("note") or out.get("build"), timed.get("note")]))
     timed["errors"].update(out["errors"])
     return {**out, **timed}
@@ -1282,16 +1623,17 @@ def main(argv: list[str] | None = None) -> int:
                        help="add the compile stage: the graphs runner with torch.compile (inductor; minutes), last")
     p_run.add_argument("--quick", action="store_true",
                        help="torch stage: graphs runners and transformers' generate only (no eager timings)")
-    p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "cli"},
-                       help="stages among pytest,torch,cli,compile (default the first three; --llamacpp adds "
+    p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "heads", "cli"},
+                       help="stages among pytest,torch,heads,cli,compile (default the first four; --llamacpp adds "
                             "llama.cpp, --compile adds compile)")
     p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
                        help="seconds for everything (default 360)")
     p_run.add_argument("--site", default="/tmp/site", help="where the carried wheels were installed")
     p_run.add_argument("--gpu-dir", default=".gpu", help="the carried folder")
     p_run.add_argument("--install-note", default="", help="what gpu_check.sh installed (for the summary)")
-    p_header = sub.add_parser("gguf-header", help="here: the default target GGUF's header into DIR")
+    p_header = sub.add_parser("gguf-header", help="here: the default target's and draft's GGUF headers into DIR")
     p_header.add_argument("dir", type=Path)
+    p_header.add_argument("--roles", default="target,draft", help="which default models (default target,draft)")
     p_hf = sub.add_parser("hf-skeleton", help="here: the default pair's HF folders without weights into DIR/hf")
     p_hf.add_argument("dir", type=Path)
     p_cli = sub.add_parser("stage-cli", help=argparse.SUPPRESS)
@@ -1302,12 +1644,17 @@ def main(argv: list[str] | None = None) -> int:
     p_torch.add_argument("result", type=Path)
     p_torch.add_argument("--cpu-dry-run", action="store_true")
     p_torch.add_argument("--quick", action="store_true")
+    p_heads = sub.add_parser("stage-heads", help=argparse.SUPPRESS)
+    p_heads.add_argument("result", type=Path)
+    p_heads.add_argument("--cpu-dry-run", action="store_true")
     p_compile = sub.add_parser("stage-compile", help=argparse.SUPPRESS)
     p_compile.add_argument("result", type=Path)
     p_compile.add_argument("--cpu-dry-run", action="store_true")
+    p_compile.add_argument("--limit", type=float, default=None)
     p_llama = sub.add_parser("stage-llamacpp", help=argparse.SUPPRESS)
     p_llama.add_argument("result", type=Path)
     p_llama.add_argument("gguf", type=Path)
+    p_llama.add_argument("--draft-gguf", type=Path, default=None)
     p_llama.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -1315,7 +1662,8 @@ def main(argv: list[str] | None = None) -> int:
             args.stages = args.stages | {"compile"}
         return run(args)
     if args.command == "gguf-header":
-        gguf_header(args.dir)
+        for role in args.roles.split(","):
+            gguf_header(args.dir, role=role)
         return 0
     if args.command == "hf-skeleton":
         hf_skeleton(args.dir)
@@ -1326,10 +1674,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage-torch":
         stage_torch(args.result, args.cpu_dry_run, args.quick)
         return 0
-    if args.command == "stage-compile":
-        stage_compile(args.result, args.cpu_dry_run)
+    if args.command == "stage-heads":
+        stage_heads(args.result, args.cpu_dry_run)
         return 0
-    stage_llamacpp(args.result, args.gguf, args.cpu_dry_run)
+    if args.command == "stage-compile":
+        stage_compile(args.result, args.cpu_dry_run, args.limit)
+        return 0
+    stage_llamacpp(args.result, args.gguf, args.cpu_dry_run, args.draft_gguf)
     return 0
 
 

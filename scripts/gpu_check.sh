@@ -74,15 +74,16 @@ prepare() {
   done
   [ ${#failed[@]} -eq 0 ] || echo "gpu_check: WARNING: no wheel for: ${failed[*]} (the check runs without them)" >&2
   if [ "$with_llamacpp" = 0 ]; then
-    rm -f "$GPU_DIR"/llama_cpp_python-*-slim.tar.gz "$GPU_DIR"/target.hdr "$GPU_DIR"/target.json
+    rm -f "$GPU_DIR"/llama_cpp_python-*-slim.tar.gz "$GPU_DIR"/{target,draft}.{hdr,json}
   else
     local tarball="$GPU_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION-slim.tar.gz"
     if [ ! -s "$tarball" ]; then
       slim_sdist "$tarball" \
         || echo "gpu_check: WARNING: the slim llama-cpp-python source could not be made (--llamacpp will skip)" >&2
     fi
+    # the default target's and draft's headers (~6 MiB each, mostly the vocabulary)
     .venv/bin/python scripts/gpu_check.py gguf-header "$GPU_DIR" \
-      || echo "gpu_check: WARNING: no GGUF header (--llamacpp will skip its timing)" >&2
+      || echo "gpu_check: WARNING: no GGUF headers (--llamacpp will skip its timing, or the draft's)" >&2
   fi
   .venv/bin/python scripts/gpu_check.py hf-skeleton "$GPU_DIR" \
     || echo "gpu_check: WARNING: no Hugging Face folders (the cli stage will skip)" >&2
