@@ -12,7 +12,9 @@ from specdecode.bench.cost_table import (
     load_cost_table,
     parse_cost_table,
     predict,
+    prediction_table,
     price,
+    unpriced_drafts,
 )
 from specdecode.commands.main import main
 
@@ -102,6 +104,40 @@ def test_price_of_a_hand_made_record_is_exact():
     assert price({k: v for k, v in r.items() if k != "passes"}, table) is None  # results saved before
 
 
+def test_draft_passes_are_priced_on_the_curve_of_their_kind():
+    """A record's ``draft_kind`` picks the curve: a draft model's, an EAGLE head's, Medusa heads';
+    a kind the table lacks is free and named by ``unpriced_drafts``; records without one are draft models'."""
+    table = parse_cost_table({**TABLE, "eagle": {"1": 0.5, "3": 0.9}, "medusa": {"1": 0.25}})
+    assert table.eagle is not None and table.eagle(2) == pytest.approx(0.7) and table.drafts("eagle") is table.eagle
+    assert table.drafts("medusa") is table.medusa and table.drafts("draft") is table.draft
+    assert table.drafts("early_exit") is None  # unknown kinds cost nothing
+    target_ms = 16 + 14 + 14 + 10
+    eagle = record("eagle", [5, 3, 3, 1], [3, 1, 2, 1])
+    eagle["passes"]["draft_kind"] = "eagle"
+    assert price(eagle, table) == pytest.approx((target_ms + 0.9 + 0.5 + 0.7 + 0.5) / 1000)
+    medusa = record("medusa", [5, 3, 3, 1], [1, 1, 1])
+    medusa["passes"]["draft_kind"] = "medusa"
+    assert price(medusa, table) == pytest.approx((target_ms + 3 * 0.25) / 1000)
+    old = record("draft", [5, 3, 3, 1], [2, 1])  # saved before draft_kind: a draft model's passes
+    assert price(old, table) == pytest.approx((target_ms + 3 + 2) / 1000)
+    plain = parse_cost_table(TABLE)  # no eagle / medusa curve: those passes are free
+    assert price(eagle, plain) == pytest.approx(target_ms / 1000)
+    assert unpriced_drafts([eagle, medusa, old, record("target", [5, 1], [])], plain) == {
+        "eagle": ["eagle"], "medusa": ["medusa"]}  # fmt: skip
+    assert unpriced_drafts([eagle, medusa, old], table) == {}
+    assert unpriced_drafts([old], parse_cost_table({"device": "x", "target": {"1": 1.0}})) == {"draft": ["draft"]}
+    with pytest.raises(ValueError, match=r"'eagle' has width 'x'"):
+        parse_cost_table({**TABLE, "eagle": {"x": 1.0}})
+    with pytest.raises(ValueError, match=r"medusa\['1'\]"):
+        parse_cost_table({**TABLE, "medusa": {"1": -1.0}})
+    records = [record("target", [5, 1, 1, 1, 1], [], wall=2.0), eagle]
+    prediction = predict(records, ["target", "eagle"], plain)
+    text = prediction_table(prediction, plain, unpriced=unpriced_drafts(records, plain))
+    assert "| eagle * |" in text and "| target |" in text
+    assert "* eagle: its draft passes are not priced (the table has no 'eagle' curve): an upper bound." in text
+    assert "not priced" not in prediction_table(prediction, table, unpriced=unpriced_drafts(records, table))
+
+
 def test_predicted_speedup_per_group_and_overall():
     table = parse_cost_table(TABLE)
     records = [
@@ -149,6 +185,7 @@ def test_bench_with_a_cost_table_records_passes_and_predicts(tmp_path, capsys):
     for r in saved["records"]:
         passes = r["passes"]
         assert passes["target"][0] == r["prompt_tokens"]  # the prefill first
+        assert passes["draft_kind"] == "draft"  # a draft model's passes, or none
         steps = len(passes["target"]) - 1
         assert len(passes["accepted"]) == steps
         # every step's pass feeds the draft plus one token; the tokens gained add up to the answer
@@ -179,7 +216,9 @@ def test_bench_with_a_cost_table_records_passes_and_predicts(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "## Predicted speedup over `target` on flat GPU" in text
     prediction = text.split("## Predicted speedup")[1]
-    line = next(x for x in prediction.splitlines() if x.startswith("| draft_model[k=3] |"))
+    line = next(x for x in prediction.splitlines() if x.startswith("| draft_model[k=3] * |"))  # draft passes free
+    assert "* draft_model[k=3]: its draft passes are not priced (the table has no 'draft' curve)" in prediction
+    assert "| prompt_lookup[k=3] |" in prediction  # no draft passes: nothing unpriced
     fewer = [r for r in saved["records"] if r["method"] == "draft_model[k=3]"]
     base = [r for r in saved["records"] if r["method"] == "target"]
     expected = sum(len(r["passes"]["target"]) for r in base) / sum(len(r["passes"]["target"]) for r in fewer)

@@ -744,3 +744,30 @@ def test_behind_lookup_the_drafter_drafts_its_own_k(cases, kind: str) -> None:
         longest = max(longest, len(result.stats.drafted_per_position))
     assert recorder.calls and max(len(draft) for _, draft in recorder.calls) == 2  # the drafter: its own k
     assert longest > 2  # lookup drafted longer runs in the same requests
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("agreement", ["fully", "partly"])
+def test_head_forwards_are_recorded_for_the_cost_table(cases, kind: str, agreement: str) -> None:
+    """``draft_pass_widths`` holds one width per head forward, which ``specdecode bench --cost-table``
+    prices on the table's curve of ``draft_pass_kind``: EAGLE feeds the pairs new since its last
+    step (the prompt's first), then one per further draft; Medusa evaluates its heads once per step."""
+    target, drafter, answers = cases[kind, agreement]
+    spec = SpeculativeGenerator(target, proposer=proposer(drafter))
+    for prompt, answer in zip(PROMPTS[:2], answers, strict=False):
+        stats = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=3).stats
+        assert stats.draft_pass_kind == kind
+        drafted = [w - 1 for w in stats.target_pass_widths[1:]]  # per verification step
+        expected: list[int] = []
+        length, fed = len(prompt) + 1, 1  # the context after the prefill; the head has cached none yet
+        for d, accepted in zip(drafted, stats.accepted_per_step, strict=True):
+            if d == 0:  # a plain step (the last token of the budget): the proposer was not asked
+                pass
+            elif kind == "medusa":
+                expected.append(1)
+            else:
+                expected += [length - fed] + [1] * (d - 1)  # the new pairs, then each further draft
+                fed = length
+            length += accepted + 1
+        assert stats.draft_pass_widths == expected
+        assert sum(d > 0 for d in drafted) >= len(drafted) - 1  # plain steps only at the budget's end

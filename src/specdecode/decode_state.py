@@ -194,7 +194,8 @@ class DecodeState:
         self.stats.target_pass_widths.append(num_drafted + 1)
         self.stats.accepted_per_step.append(result.num_accepted)
         if self.proposer is not None:
-            self.stats.draft_pass_widths.extend(self.proposer.take_pass_widths())  # draft-model forwards
+            self.stats.draft_pass_widths.extend(self.proposer.take_pass_widths())  # its own model's forwards
+            self.stats.draft_pass_kind = self.proposer.pass_kind
             if features is not None:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]
             self.proposer.observe(result)

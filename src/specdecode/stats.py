@@ -52,9 +52,13 @@ class SpecStats:
             prompt's length), then 1 + the tokens drafted (tree nodes) per verification step. The
             input of ``specdecode bench --cost-table`` (:mod:`specdecode.bench.cost_table`); not in
             :meth:`to_dict`.
-        draft_pass_widths: tokens fed to each forward pass of a draft model, in order (empty for
-            proposers without a model of their own, e.g. prompt lookup and suffix, and for those that
+        draft_pass_widths: tokens fed to each forward pass of the proposer's own model (a draft
+            model; an EAGLE head; Medusa heads, 1 per evaluation), in order (empty for proposers
+            without a model of their own, e.g. prompt lookup and suffix, and for those that
             do not record them); not in :meth:`to_dict`.
+        draft_pass_kind: which cost-table curve prices ``draft_pass_widths``: ``"draft"`` (a draft
+            model's forwards), ``"eagle"`` / ``"medusa"`` (a trained drafter's head forwards); the
+            proposer's ``pass_kind``. Not in :meth:`to_dict`.
         accepted_per_step: draft tokens accepted at each verification step, in order; not in
             :meth:`to_dict`.
     """
@@ -85,6 +89,7 @@ class SpecStats:
     cut_draft_tokens: int = 0
     target_pass_widths: list[int] = field(default_factory=list)
     draft_pass_widths: list[int] = field(default_factory=list)
+    draft_pass_kind: str = "draft"
     accepted_per_step: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -13,22 +13,32 @@ The table is JSON::
       "source": "where and how it was measured",                # optional, free text
       "target": {"1": 15.5, "2": 18.1, "33": 18.8},             # ms per target pass, by tokens fed
       "draft": {"1": 13.4, "2": 15.8, "5": 16.0},               # ms per draft-model pass (optional)
+      "eagle": {"1": 0.9, "4": 1.0, "16": 1.1},                 # ms per EAGLE head forward (optional)
+      "medusa": {"1": 0.3},                                     # ms per Medusa evaluation (optional)
       "prefill_ms_per_token": 0.05                              # optional, see below
     }
 
 Widths are positive integers (as JSON keys, strings), costs non-negative milliseconds. A width
 between two measured ones costs the linear interpolation; below the smallest, the smallest's cost;
 beyond the largest, the line through the last two measured widths (the largest's cost when only one
-is given). Without ``draft``, draft passes cost nothing (a table for prompt lookup / suffix only).
+is given).
+
+Draft passes are priced by the curve named by the record's ``draft_kind`` (the proposer's
+``pass_kind``; records saved before it existed are ``"draft"``): ``draft``, a draft model's forward
+over W tokens; ``eagle``, one EAGLE head forward over W tokens through its cache followed by the
+drafter's logits of those W rows (a chain of k drafts makes k forwards of width 1 after one of the
+newly accepted tokens, a tree one per depth, W its nodes there); ``medusa``, one evaluation of every
+Medusa head on one feature (width 1). A table without that curve prices those passes at nothing,
+and the prediction names them (:func:`unpriced_drafts`): an upper bound.
 The prefill (a record's first target pass) costs ``prefill_ms_per_token`` x its tokens when the
 table gives it, else the ``target`` curve at its width (usually far beyond the measured widths,
 so an extrapolation; the prefill is the same for every method on the same prompts, so it dilutes
 the speedup without changing the order of methods).
 
 Not priced: work outside the passes (sampling, verification, the proposer's own search, Python
-overhead, host-device copies) and the drafts of proposers that do not record draft-model passes
-(Medusa / EAGLE heads, early exit). A predicted speedup is therefore an upper bound for methods
-with much per-step overhead.
+overhead, host-device copies) and the drafts of proposers that record no passes (early exit, the
+cross-tokenizer draft). A predicted speedup is therefore an upper bound for methods with much
+per-step overhead.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.metrics import ALL, BASELINE, Record, speedups
+
+DRAFT_KINDS = ("draft", "eagle", "medusa")
+"""The draft-pass curves a table may give (a proposer's ``pass_kind``)."""
 
 PACKAGED = Path(__file__).resolve().parent.parent / "data" / "cost_tables"
 """The cost tables shipped with the package (``--cost-table NAME`` finds ``NAME.json`` here)."""
@@ -82,6 +95,8 @@ class CostTable:
         device: where it was measured (free text).
         target: the target's cost per pass (ms).
         draft: the draft model's cost per pass (ms), or None (draft passes cost nothing).
+        eagle: an EAGLE head's cost per forward with its logits (ms), or None (free).
+        medusa: the cost of one evaluation of every Medusa head (ms), or None (free).
         prefill_ms_per_token: the prefill's cost per prompt token (ms), or None (the target curve).
         source: how it was measured (free text, may be empty).
     """
@@ -91,6 +106,13 @@ class CostTable:
     draft: CostCurve | None = None
     prefill_ms_per_token: float | None = None
     source: str = ""
+    eagle: CostCurve | None = None
+    medusa: CostCurve | None = None
+
+    def drafts(self, kind: str) -> CostCurve | None:
+        """The curve that prices draft passes of ``kind`` (``draft``, ``eagle``, ``medusa``), or None
+        (those passes cost nothing: the table does not have it, or the kind is unknown)."""
+        return {"draft": self.draft, "eagle": self.eagle, "medusa": self.medusa}.get(kind)
 
 
 def _number(value: Any, where: str) -> float:
@@ -130,7 +152,7 @@ def parse_cost_table(data: Any) -> CostTable:
         raise ValueError(f"cost table: 'device' must be a non-empty string, got {device!r}")
     if "target" not in data:
         raise ValueError("cost table: 'target' is missing (ms per target pass by tokens fed, e.g. {\"1\": 15.5})")
-    known = {"device", "source", "target", "draft", "prefill_ms_per_token"}
+    known = {"device", "source", "target", *DRAFT_KINDS, "prefill_ms_per_token"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"cost table: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -142,6 +164,8 @@ def parse_cost_table(data: Any) -> CostTable:
         device=device,
         target=_curve(data["target"], "target"),
         draft=_curve(data["draft"], "draft") if data.get("draft") is not None else None,
+        eagle=_curve(data["eagle"], "eagle") if data.get("eagle") is not None else None,
+        medusa=_curve(data["medusa"], "medusa") if data.get("medusa") is not None else None,
         prefill_ms_per_token=_number(prefill, "'prefill_ms_per_token'") if prefill is not None else None,
         source=source,
     )
@@ -175,7 +199,8 @@ def price(record: Record, table: CostTable) -> float | None:
     has no ``passes`` (a peer whose passes are not known, or results saved before they were recorded).
 
     Seconds = (prefill + Σ target passes after it + Σ draft passes) / 1000, each pass's ms from the
-    table by its width (the module docstring says how the prefill is priced).
+    table by its width: draft passes on the curve of the record's ``draft_kind`` (none: free; the
+    module docstring says how the prefill is priced).
     """
     passes = record.get("passes")
     if not passes or not passes.get("target"):
@@ -184,9 +209,22 @@ def price(record: Record, table: CostTable) -> float | None:
     prefill = target[0]
     ms = prefill * table.prefill_ms_per_token if table.prefill_ms_per_token is not None else table.target(prefill)
     ms += sum(table.target(w) for w in target[1:])
-    if table.draft is not None:
-        ms += sum(table.draft(w) for w in passes.get("draft") or ())
+    curve = table.drafts(passes.get("draft_kind") or "draft")
+    if curve is not None:
+        ms += sum(curve(w) for w in passes.get("draft") or ())
     return ms / 1000.0
+
+
+def unpriced_drafts(records: Sequence[Record], table: CostTable) -> dict[str, list[str]]:
+    """Per method, the kinds of draft passes its records made that ``table`` has no curve for (so
+    they were priced at nothing and its prediction is an upper bound); methods without any left out."""
+    out: dict[str, set[str]] = {}
+    for r in records:
+        passes = r.get("passes") or {}
+        kind = passes.get("draft_kind") or "draft"
+        if passes.get("draft") and table.drafts(kind) is None:
+            out.setdefault(r["method"], set()).add(kind)
+    return {method: sorted(kinds) for method, kinds in out.items()}
 
 
 def _pick(records: Sequence[Record], method: str, group: str) -> list[Record]:
@@ -224,8 +262,10 @@ def predict(
 
 
 def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | None]]], table: CostTable,
-                     baseline: str = BASELINE) -> str:  # fmt: skip
-    """Markdown: one row per method, one column per group, ``predicted (measured)`` speedups."""
+                     baseline: str = BASELINE, unpriced: Mapping[str, Sequence[str]] | None = None) -> str:  # fmt: skip
+    """Markdown: one row per method, one column per group, ``predicted (measured)`` speedups; a
+    method in ``unpriced`` (:func:`unpriced_drafts`) is marked, with a note naming the curves missing."""
+    unpriced = unpriced or {}
     groups = list(dict.fromkeys(g for by_group in prediction.values() for g in by_group))
     if ALL in groups:
         groups = [g for g in groups if g != ALL] + [ALL]
@@ -243,19 +283,26 @@ def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | 
         "| " + " | ".join(["---"] * (len(groups) + 1)) + " |",
     ]
     for method, by_group in prediction.items():
-        lines.append(f"| {method} | " + " | ".join(cell(by_group.get(g)) for g in groups) + " |")
+        mark = " *" if unpriced.get(method) else ""
+        lines.append(f"| {method}{mark} | " + " | ".join(cell(by_group.get(g)) for g in groups) + " |")
     lines.append("")
     lines.append("Priced from each generation's recorded passes (specdecode.bench.cost_table); '-': passes not known.")
+    for method, kinds in unpriced.items():
+        if method in prediction:
+            missing = ", ".join(f"'{k}'" for k in kinds)
+            note = f"the table has no {missing} curve"
+            lines.append(f"* {method}: its draft passes are not priced ({note}): an upper bound.")
     return "\n".join(lines) + "\n"
 
 
 def prediction_results(results: Mapping[str, Any], table: CostTable, source: str,
                        baseline: str = BASELINE) -> dict[str, Any]:  # fmt: skip
     """What ``results.json`` keeps under ``predicted``: the table's device and file, the baseline,
-    and :func:`predict`'s speedups."""
+    :func:`predict`'s speedups and :func:`unpriced_drafts`."""
     return {
         "cost_table": str(source),
         "device": table.device,
         "baseline": baseline,
         "speedup": predict(results["records"], results["methods"], table, baseline),
+        "unpriced_drafts": unpriced_drafts(results["records"], table),
     }

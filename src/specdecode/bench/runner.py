@@ -71,7 +71,8 @@ LLAMACPP_PEERS = ("llamacpp",)
 def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, list[int]] | None:
     """A record's ``passes`` (what :mod:`specdecode.bench.cost_table` prices): ``target``, the tokens
     of each target forward pass (the prefill's first); ``draft``, of each draft-model forward; and
-    ``accepted``, the draft tokens accepted per verification step. Our engine's come from its
+    ``accepted``, the draft tokens accepted per verification step; ``draft_kind``, the cost-table
+    curve that prices ``draft`` (the proposer's ``pass_kind``: draft, eagle, medusa). Our engine's come from its
     statistics; the plain llama.cpp peer's are the prompt, then 1 per further token; None for the
     other peers (their passes are not known)."""
     stats = out.stats
@@ -80,6 +81,7 @@ def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, l
             "target": list(stats.target_pass_widths),
             "draft": list(stats.draft_pass_widths),
             "accepted": list(stats.accepted_per_step),
+            "draft_kind": stats.draft_pass_kind,
         }
     if variant.method.name in LLAMACPP_PEERS and out.token_ids:
         return {"target": [prompt_tokens] + [1] * (len(out.token_ids) - 1), "draft": [], "accepted": []}

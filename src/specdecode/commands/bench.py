@@ -221,11 +221,13 @@ def _cost_table(path: str | None) -> Any:
 
 def _print_prediction(results: dict[str, Any], path: str, baseline: str) -> None:
     """Price ``results``' records with the cost table at ``path``; print predicted beside measured."""
-    from specdecode.bench.cost_table import load_cost_table, predict, prediction_table
+    from specdecode.bench.cost_table import load_cost_table, predict, prediction_table, unpriced_drafts
 
     table = load_cost_table(path)
+    records = results["records"]
+    prediction = predict(records, results["methods"], table, baseline)
     print()
-    print(prediction_table(predict(results["records"], results["methods"], table, baseline), table, baseline), end="")
+    print(prediction_table(prediction, table, baseline, unpriced_drafts(records, table)), end="")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -30,6 +30,9 @@ attributes, never probe for them:
 - ``quantization`` (default ``"none"``): what its drafts run on, for records (the
   ``draft_quantization`` statistic): ``"int8"`` (an int8 draft), ``"int8-head"`` (a drafter's int8
   LM-head rows), ``"none"``.
+- ``pass_kind`` (default ``"draft"``): which pass-cost curve prices the widths ``take_pass_widths``
+  returns (:mod:`specdecode.bench.cost_table`): ``"draft"`` for a draft model's forwards,
+  ``"eagle"`` for an EAGLE head's, ``"medusa"`` for Medusa heads'.
 - ``clear_cache()`` (default: nothing): forget state kept *across* requests (the suffix proposer's
   cache of earlier outputs); ``reset`` forgets one request's.
 
@@ -114,6 +117,7 @@ class Proposer(Protocol):
     needs_target_features: bool
     default_num_speculative_tokens: int
     quantization: str
+    pass_kind: str
 
     def reset(self) -> None:
         """Forget everything about the previous request (no state leaks between calls)."""
@@ -122,8 +126,10 @@ class Proposer(Protocol):
         """Forget state kept across requests (a no-op for most proposers)."""
 
     def take_pass_widths(self) -> list[int]:
-        """Tokens per draft-model forward since the last call (then forgotten); [] for proposers
-        without a model (:attr:`specdecode.stats.SpecStats.draft_pass_widths`)."""
+        """Tokens per forward of the proposer's own model since the last call (then forgotten): a
+        draft model's passes, a trained drafter's head forwards (priced by the cost table's curve
+        named :attr:`pass_kind`); [] for proposers without a model
+        (:attr:`specdecode.stats.SpecStats.draft_pass_widths`)."""
 
     def propose(
         self,
@@ -160,6 +166,7 @@ class ProposerBase:
     needs_target_features: bool = False
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     quantization: str = "none"
+    pass_kind: str = "draft"  # what prices take_pass_widths(): "draft" (a draft model), "eagle", "medusa"
     vocab_size: int | None = None  # None: drafts ids of any vocabulary (taken from the context)
     drafter: torch.nn.Module | None = None  # a features proposer's trained drafter
 
@@ -169,9 +176,15 @@ class ProposerBase:
     def clear_cache(self) -> None:
         """Nothing kept across requests."""
 
+    def record_pass(self, width: int) -> None:
+        """Note one forward of the proposer's own model (a draft model, a trained drafter's head)
+        over ``width`` tokens, for :meth:`take_pass_widths`."""
+        self.__dict__.setdefault("_pass_widths", []).append(width)
+
     def take_pass_widths(self) -> list[int]:
-        """No draft model: no draft forwards."""
-        return []
+        """The widths :meth:`record_pass` noted since the last call (then forgotten); [] for a
+        proposer without a model of its own."""
+        return self.__dict__.pop("_pass_widths", [])
 
     def observe(self, result: VerifyResult) -> None:
         """No feedback needed."""
@@ -192,7 +205,8 @@ def check_proposer(proposer: object) -> None:
         TypeError: a member is missing (the message names them), or ``supports_tree`` is set
             without a ``propose_tree`` method.
     """
-    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens", "quantization")
+    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens", "quantization",
+               "pass_kind")
     methods = ("reset", "clear_cache", "take_pass_widths", "propose", "observe", "observe_features")
     missing = [m for m in (*members, *methods) if not hasattr(proposer, m)]
     if missing:

@@ -214,7 +214,7 @@ class DraftModelProposer(ProposerBase):
     def reset(self) -> None:
         self.runner.reset()
         self._cached = torch.empty(0, dtype=torch.int64)
-        self.pass_widths: list[int] = []  # tokens per draft forward since the engine last read them
+        self.take_pass_widths()  # forget the forwards of an unfinished request
 
     def _sync(self, context: torch.Tensor) -> torch.Tensor:
         """Roll the cache back to the prefix it shares with ``context``; return the logits of the
@@ -223,19 +223,8 @@ class DraftModelProposer(ProposerBase):
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n
         self.runner.truncate(keep)
-        self._record(context.shape[0] - keep)
+        self.record_pass(context.shape[0] - keep)
         return self.runner.forward(context[keep:], num_logits=1)[-1]
-
-    def _record(self, width: int) -> None:
-        """Note one draft forward over ``width`` tokens (read and cleared by the decode state)."""
-        if not hasattr(self, "pass_widths"):
-            self.pass_widths = []
-        self.pass_widths.append(width)
-
-    def take_pass_widths(self) -> list[int]:
-        """Tokens per draft forward since the last call (then forgotten)."""
-        widths, self.pass_widths = getattr(self, "pass_widths", []), []
-        return widths
 
     def propose(
         self,
@@ -263,7 +252,7 @@ class DraftModelProposer(ProposerBase):
             token = j if head_ids is None else head_ids[j]  # (1,) full-vocabulary id
             ids.append(token)
             if i + 1 < num_tokens:
-                self._record(1)
+                self.record_pass(1)
                 logits = self.runner.forward(token, num_logits=1)[-1]
         draft_ids = torch.cat(ids).cpu()  # (k,): the ids stayed on the draft's device until here (one copy)
         if len(ids) < num_tokens:  # cut by the confidence threshold: the last fed token is the last drafted
@@ -323,7 +312,7 @@ class DraftModelProposer(ProposerBase):
                 positions[row] = T - 1 + depth
                 slot[node] = base + row
             tokens = torch.tensor([ids[n - 1] for n in nodes], dtype=torch.int64)
-            self._record(len(tokens))
+            self.record_pass(len(tokens))
             return log_probs(self.runner.forward_masked(tokens, positions, attend))  # (m, C)
 
         if isinstance(tree, DynamicTree):

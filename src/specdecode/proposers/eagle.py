@@ -64,6 +64,7 @@ class EagleProposer(ProposerBase):
     """
 
     name = "eagle"
+    pass_kind = "eagle"
     supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
@@ -107,6 +108,7 @@ class EagleProposer(ProposerBase):
         self.cache = self.drafter.new_cache()
         self._cached = 0  # head cache entries, all from true features: pairs p = 0 .. _cached - 1
         self._features = FeatureLog()
+        self.take_pass_widths()  # forget the head forwards of an unfinished request
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         """The target's features of the next ``m`` positions, ``[m, H]`` (see :mod:`.base`)."""
@@ -131,6 +133,7 @@ class EagleProposer(ProposerBase):
         """One head forward through the cache: features ``[m, H]``, token ids int64 ``[m]``, positions
         int64 ``[m]``, optional bool ``mask [m, cached + m]`` -> predicted features ``[m, H]``."""
         m = int(tokens.shape[0])
+        self.record_pass(m)  # priced by a cost table's "eagle" curve (specdecode.bench.cost_table)
         attention = None
         if mask is not None:  # moved as bool, the additive mask built on the device
             dtype, allowed = self.drafter.fc.weight.dtype, mask.to(self.device)

@@ -155,6 +155,11 @@ class LookupFirstProposer(ProposerBase):
         """The model proposer's (recorded as the ``draft_quantization`` statistic)."""
         return self.model.quantization
 
+    @property
+    def pass_kind(self) -> str:  # type: ignore[override]
+        """The model proposer's (prompt lookup makes no forwards)."""
+        return self.model.pass_kind
+
     def take_pass_widths(self) -> list[int]:
         """The model proposer's draft forwards (tokens each) since the last call."""
         return self.model.take_pass_widths()

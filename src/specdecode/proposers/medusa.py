@@ -65,6 +65,7 @@ class MedusaProposer(ProposerBase):
     """
 
     name = "medusa"
+    pass_kind = "medusa"
     supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
@@ -104,6 +105,7 @@ class MedusaProposer(ProposerBase):
     def reset(self) -> None:
         self._last: torch.Tensor | None = None  # (H,): the feature of the newest known position
         self._known = 0  # features received: positions 0 .. _known - 1
+        self.take_pass_widths()  # forget the head evaluations of an unfinished request
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         """The target's features of the next ``m`` positions, ``[m, H]`` (see :mod:`.base`)."""
@@ -124,6 +126,7 @@ class MedusaProposer(ProposerBase):
         """
         check_features(self.name, self._known, int(context.shape[0]))
         assert self._last is not None
+        self.record_pass(1)  # every head on one feature: priced by a cost table's "medusa" curve
         return self.drafter.logits(self.drafter(self._last))  # (K, N)
 
     def propose(
