@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +164,7 @@ class CostModel:
             self.scale[i] = TARGET_COST_EMA * self.scale[i] + (1 - TARGET_COST_EMA) * seconds / base
 
     def to_dict(self) -> dict[str, object]:
+        """The model as JSON-ready data (lists, dicts, floats); :meth:`from_dict` reads it back."""
         return {
             "batch_sizes": self.batch_sizes,
             "tokens": self.tokens,
@@ -172,6 +173,80 @@ class CostModel:
             "draft_s_per_token": dict(self.draft_s_per_token),
             "catchup_s_per_token": dict(self.catchup_s_per_token),
         }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostModel:
+        """A model from :meth:`to_dict`'s data (e.g. read back from JSON), checked field by field.
+
+        Args:
+            data: a mapping with ``batch_sizes`` and ``tokens`` (strictly increasing integers >= 1),
+                ``target_s`` (``[len(batch_sizes)][len(tokens)]`` seconds, finite and > 0), and
+                optionally ``scale`` (``len(batch_sizes)`` finite factors > 0; default all 1),
+                ``draft_s_per_token`` and ``catchup_s_per_token`` (proposer name -> seconds,
+                finite and >= 0; default empty).
+
+        Raises:
+            ValueError: ``data`` is not a mapping, a field is missing, unknown or malformed; the
+                message names the field.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"cost model: expected a mapping of fields, got {type(data).__name__}")
+        unknown = sorted(set(data) - _FIELDS)
+        if unknown:
+            raise ValueError(f"cost model: unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
+        for name in ("batch_sizes", "tokens", "target_s"):
+            if name not in data:
+                raise ValueError(f"cost model: field {name!r} is missing")
+        batch_sizes = _increasing_ints("batch_sizes", data["batch_sizes"])
+        tokens = _increasing_ints("tokens", data["tokens"])
+        rows = data["target_s"]
+        if not isinstance(rows, list) or len(rows) != len(batch_sizes):
+            raise ValueError(f"cost model: target_s must be a list of {len(batch_sizes)} rows (one per batch size)")
+        target_s = [_times(f"target_s[{i}]", row, len(tokens), positive=True) for i, row in enumerate(rows)]
+        scale = data.get("scale")
+        scale = [1.0] * len(batch_sizes) if scale is None else _times("scale", scale, len(batch_sizes), positive=True)
+        return cls(
+            batch_sizes,
+            tokens,
+            target_s,
+            draft_s_per_token=_per_proposer("draft_s_per_token", data.get("draft_s_per_token")),
+            scale=scale,
+            catchup_s_per_token=_per_proposer("catchup_s_per_token", data.get("catchup_s_per_token")),
+        )
+
+
+_FIELDS = frozenset({"batch_sizes", "tokens", "target_s", "scale", "draft_s_per_token", "catchup_s_per_token"})
+
+
+def _increasing_ints(name: str, value: Any) -> list[int]:
+    ok = isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if not ok or value[0] < 1 or any(a >= b for a, b in zip(value[:-1], value[1:], strict=True)):
+        raise ValueError(
+            f"cost model: {name} must be a non-empty, strictly increasing list of integers >= 1, got {value!r}"
+        )
+    return list(value)
+
+
+def _number(name: str, value: Any, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"cost model: {name} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"cost model: {name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _times(name: str, value: Any, length: int, positive: bool) -> list[float]:
+    if not isinstance(value, list) or len(value) != length:
+        raise ValueError(f"cost model: {name} must be a list of {length} numbers, got {value!r}")
+    return [_number(f"{name}[{j}]", v, positive) for j, v in enumerate(value)]
+
+
+def _per_proposer(name: str, value: Any) -> dict[str, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"cost model: {name} must map proposer names to seconds, got {value!r}")
+    return {k: _number(f"{name}[{k!r}]", v, positive=False) for k, v in value.items()}
 
 
 @dataclass
