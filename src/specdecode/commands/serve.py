@@ -52,6 +52,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="adaptive",
         help="on: always draft k; off: never; adaptive (default): per step, from the cost model measured at start-up",
     )
+    s.add_argument(
+        "--remeasure-costs",
+        action="store_true",
+        help="adaptive: measure the cost model even when one measured with the same models, build, grid "
+        "and machine is cached in serve-cost/ of $SPECDECODE_CACHE or ~/.cache/specdecode; the new one "
+        "replaces it (--replicas: each replica measures anyway)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--served-model-name", metavar="NAME", help="the API's model id (default: the target's folder name)")
@@ -162,6 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.replicas is None and args.ray_address is not None:
         raise ValueError("--ray-address needs --replicas N")
+    if args.remeasure_costs and args.speculation != "adaptive":
+        raise ValueError(f"--remeasure-costs needs --speculation adaptive (got --speculation {args.speculation})")
     source = ModelSource(
         target=args.target,
         draft=args.draft,
@@ -179,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from specdecode.serve.cost_cache import default_folder
     from specdecode.serve.server import build_app
 
     settings = settings_from_args(args, "specdecode")  # the server's own flags first
@@ -193,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, proposer=loaded.proposer)
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
     app, scheduler = build_app(loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True)
-    scheduler.measure_cost_model()  # before uvicorn's signal handlers: SIGTERM meanwhile stops the process at once
+    # before uvicorn's signal handlers: SIGTERM meanwhile stops the process at once
+    scheduler.measure_cost_model(cache_folder=default_folder(), remeasure=args.remeasure_costs)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

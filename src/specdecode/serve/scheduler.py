@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -203,13 +204,50 @@ class Scheduler:
             self._aborts.add(request_id)
             self._cond.notify()
 
-    def measure_cost_model(self) -> None:
+    def measure_cost_model(self, cache_folder: str | Path | None = None, remeasure: bool = False) -> None:
         """Measure the cost model now if ``adaptive`` speculation needs it and none was given (else
         nothing): ``specdecode serve`` calls it before the web server starts, so that a SIGTERM or
         Ctrl-C during the minutes it may take stops the process at once (uvicorn's own handlers,
-        installed later, only flag a shutdown that its start-up would wait out)."""
-        if self.cost is None and self.settings.speculation == "adaptive":
-            self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
+        installed later, only flag a shutdown that its start-up would wait out).
+
+        Args:
+            cache_folder: a folder of measured models (:mod:`specdecode.serve.cost_cache`; the
+                command's is :func:`~specdecode.serve.cost_cache.default_folder`): one stored under
+                this measurement's key is loaded instead of measuring, and a new measurement is
+                stored there before serving refines it (a folder that cannot be written: a
+                warning). None (the default; :meth:`start`'s): measure, no files.
+            remeasure: measure even when ``cache_folder`` holds a model for the key (the new
+                measurement replaces it).
+        """
+        if self.cost is not None or self.settings.speculation != "adaptive":
+            return
+        key = None
+        if cache_folder is not None:
+            from specdecode.serve.cost_cache import cost_key, load_cost_model
+
+            batch_sizes, tokens, k = self._calibration_grid()
+            key = cost_key(
+                self.target,
+                self.draft,
+                batch_sizes=batch_sizes,
+                tokens=tokens,
+                proposer=self.settings.proposer,
+                proposer_options=self.settings.proposer_options,
+                k=k,
+            )
+            cached = None if remeasure else load_cost_model(key, cache_folder)
+            if cached is not None:
+                log.info("cost model: loaded from %s (measured %s)", cached.path, cached.measured_at)
+                self.cost = cached.cost
+                return
+        tic = time.perf_counter()
+        self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
+        if key is not None and cache_folder is not None:  # stored as measured, before serving refines it
+            from specdecode.serve.cost_cache import store_cost_model
+
+            path = store_cost_model(key, self.cost, cache_folder, time.perf_counter() - tic)
+            if path is not None:
+                log.info("cost model: stored in %s", path)
 
     def start(self, thread: bool = True) -> None:
         """Measure the cost model if needed (:meth:`measure_cost_model`), then start the scheduler thread.
@@ -246,12 +284,16 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def _calibration_grid(self) -> tuple[list[int], list[int], int]:
+        """The measurement's batch sizes, tokens per row and the default proposer's k."""
+        k = self.settings.k_for(self.settings.proposer)
+        return default_batch_grid(self.settings.max_batch_size), sorted({1, 2, 3, k // 2 + 1, k + 1}), k
+
     def calibrate(self) -> CostModel:
         """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`.cost`)."""
         tic = time.perf_counter()
-        k = self.settings.k_for(self.settings.proposer)
-        tokens = sorted({1, 2, 3, k // 2 + 1, k + 1})
-        cost = measure_target_costs(self.target, default_batch_grid(self.settings.max_batch_size), tokens)  # own cache
+        batch_sizes, tokens, k = self._calibration_grid()
+        cost = measure_target_costs(self.target, batch_sizes, tokens)  # own cache
         name = self.settings.proposer
         if name is not None:  # other proposers are measured on their first use (CostModel.observe_draft)
             proposer = make_proposer(name, draft=self.draft, target=self.target, **self.settings.proposer_options)
