@@ -201,7 +201,7 @@ def test_a_gguf_is_known_by_its_file_options_and_the_llama_cpp_build(tmp_path, m
     monkeypatch.setattr(build, "installed_record", lambda prefix=None: {"key": "aaaa"})
     base = key_of(model())
     assert base.ingredients["backend"] == "llamacpp"
-    assert base.ingredients["versions"]["llama_cpp_build"] == "aaaa"
+    assert base.ingredients["target"]["llama_cpp_build"] == "aaaa"
     assert base.ingredients["target"]["gguf"]["path"] == str(gguf.resolve())
     assert key_of(model()) == base
     others = [key_of(model(threads=1)), key_of(model(exact=False))]

@@ -11,15 +11,15 @@ it instead, from ``<cache>/serve-cost/<key>.json`` (``<cache>``:
 The key (:func:`cost_key`) is the SHA-256 of every ingredient of the measurement, kept in the
 file in clear too (a file under the key with other ingredients is ignored as corrupt):
 
-- the target and the draft: for a GGUF file (llama.cpp) its resolved path, size and mtime and the
-  :class:`~specdecode.models.llamacpp.LlamaCppOptions` it runs with (threads, exact, repack, ...);
+- the target and the draft: for a GGUF file (llama.cpp) its resolved path, size and mtime, the
+  :class:`~specdecode.models.llamacpp.LlamaCppOptions` it runs with (threads, exact, repack, ...),
+  llama-cpp-python's version and the installed build's key
+  (:func:`specdecode.models.llamacpp.build.installed_record`);
   for a ``transformers`` model its class, config, the kinds of its modules (an int8 or oneDNN
   copy differs), parameter count, dtype and device, and the path, size and mtime of the weight and
   config files of the folder it was loaded from (none for a model built in memory: two such
   models of one config, dtype and device share a key, as their passes cost the same);
-- the backend (``"torch"`` / ``"llamacpp"``), specdecode's, torch's and transformers' versions,
-  llama-cpp-python's version and the installed build's key
-  (:func:`specdecode.models.llamacpp.build.installed_record`), torch's thread count;
+- the backend's name, specdecode's, torch's and transformers' versions, torch's thread count;
 - the grid (batch sizes, tokens per row), the proposer measured, its options (an option naming a
   file or folder also by that file's size and mtime) and k;
 - the machine: CPU model, a hash of its flags, architecture, cores (all and usable), the CUDA
@@ -140,17 +140,23 @@ def _digest(data: Any) -> str:
 def model_identity(model: Any) -> dict[str, Any] | None:
     """What a loaded model contributes to the key (module docstring); None for None.
 
+    A model whose runners have no ``model_insides``
+    (:func:`~specdecode.models.backends.runner_capabilities`) runs from its file (a
+    :class:`~specdecode.models.llamacpp.LlamaCppModel`: the file, its options and llama.cpp's
+    build); else it is a ``transformers`` module (its class, config, modules, dtype, device and
+    the files of its folder).
+
     Args:
         model: a :class:`~specdecode.models.llamacpp.LlamaCppModel` or a ``transformers`` model
             (``torch.nn.Module`` with a ``config``), or None.
     """
     if model is None:
         return None
-    from specdecode.models.backends import backend_of
+    from specdecode.models.backends import runner_capabilities
 
-    if backend_of(model) == "llamacpp":
+    if not runner_capabilities(model).model_insides:
         options = dataclasses.asdict(model.options)
-        return {"gguf": file_identity(model.path), "options": options, "on_gpu": bool(model.on_gpu)}
+        return {"gguf": file_identity(model.path), "options": options, "on_gpu": bool(model.on_gpu), **_llama_cpp()}
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     name = str(model.name_or_path or "")
     folder = Path(name).expanduser()
@@ -164,6 +170,20 @@ def model_identity(model: Any) -> dict[str, Any] | None:
         "name_or_path": str(folder.resolve()) if name and folder.is_dir() else name,
         "files": folder_identity(folder) if name and folder.is_dir() else [],
     }
+
+
+def _llama_cpp() -> dict[str, Any]:
+    """llama-cpp-python's version and the installed build's key (None where unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from specdecode.models.llamacpp.build import installed_record
+
+    try:
+        package = version("llama_cpp_python")
+    except PackageNotFoundError:
+        package = None
+    record = installed_record()
+    return {"llama_cpp_python": package, "llama_cpp_build": record.get("key") if record else None}
 
 
 def _option_identity(value: Any) -> Any:
@@ -200,30 +220,18 @@ def machine_identity() -> dict[str, Any]:
     }
 
 
-def _versions(backend: str) -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
+def _versions() -> dict[str, Any]:
     import torch
     import transformers
 
     import specdecode
 
-    out: dict[str, Any] = {
+    return {
         "specdecode": specdecode.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(),
     }
-    if backend == "llamacpp":
-        from specdecode.models.llamacpp.build import installed_record
-
-        try:
-            out["llama_cpp_python"] = version("llama_cpp_python")
-        except PackageNotFoundError:
-            out["llama_cpp_python"] = None
-        record = installed_record()
-        out["llama_cpp_build"] = record.get("key") if record else None
-    return out
 
 
 def cost_key(
@@ -248,11 +256,10 @@ def cost_key(
     """
     from specdecode.models.backends import backend_of
 
-    backend = backend_of(target)
     ingredients = {
         "format": FORMAT,
-        "backend": backend,
-        "versions": _versions(backend),
+        "backend": backend_of(target),
+        "versions": _versions(),
         "machine": machine_identity(),
         "target": model_identity(target),
         "draft": model_identity(draft),
