@@ -96,6 +96,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def serve_cost_cache_in_tmp(tmp_path_factory, monkeypatch):
+    """``specdecode serve`` stores its measured cost model in the user's cache
+    (:mod:`specdecode.serve.cost_cache`); tests that run the command store theirs in a folder of
+    their own instead (the default models stay in the real cache)."""
+    folder = tmp_path_factory.mktemp("serve-cost")
+    monkeypatch.setattr("specdecode.serve.cost_cache.default_folder", lambda: folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     # byte-level BPE needs >= 256 + 3 entries; the models below use the tokenizer's real size

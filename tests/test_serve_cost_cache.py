@@ -26,11 +26,15 @@ from specdecode.serve.scheduler import Scheduler
 
 from conftest import make_tiny_model
 
+REAL_DEFAULT_FOLDER = cost_cache.default_folder  # taken at import, before conftest's fixture replaces it
+
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """specdecode's cache folder is a fresh temporary one: nothing here reads or writes the user's."""
+    """specdecode's cache folder is a fresh temporary one: nothing here reads or writes the user's
+    (and ``default_folder`` is the real one again, which conftest points elsewhere for other tests)."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_cache, "default_folder", REAL_DEFAULT_FOLDER)
     return tmp_path / "cache"
 
 
