@@ -151,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--engine-baseline", action="store_true", help="also time one-at-a-time engine decoding")
     p.add_argument(
+        "--reuse-costs",
+        action="store_true",
+        help="let our servers load a cost model stored by an earlier start (default: each measures its own)",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=1800.0,
@@ -322,6 +327,8 @@ class ServerProcess:
             command += ["--kv-budget-tokens", str(setup["kv_budget_tokens"])]
         command += ["--max-batch-size", str(args.max_batch_size), "--served-model-name", "bench"]
         command += ["--log-level", "info"]  # the cost model measured at start-up is logged
+        if mode != "off" and not args.reuse_costs:
+            command += ["--remeasure-costs"]  # each run measures its own table (serve would load a stored one)
         for flag in ("target", "draft"):
             if getattr(args, flag):
                 command += [f"--{flag}", getattr(args, flag)]
