@@ -396,3 +396,24 @@ def test_the_command_caches_and_remeasure_costs_measures_again(
     assert read(path)["measured_at"] != "earlier"  # the new measurement replaced it
     assert main([*argv, "--remeasure-costs", "--speculation", "off"]) == 2
     assert "--remeasure-costs" in capsys.readouterr().err and len(calls) == 2
+
+
+def test_a_replica_loads_or_measures_as_its_config_says(chat_models, tiny_tokenizer, tmp_path, calls) -> None:
+    """``--replicas``: each replica's scheduler takes its cost model from the folder the command
+    passes in :class:`ReplicaConfig` (stored on the first start, loaded on the next; measured again
+    with ``remeasure_costs``); without a folder it is left for the app's start to measure."""
+    from specdecode.serve.replicas import ReplicaConfig, prepare_cost_model
+
+    folder = tmp_path / "costs"
+    alone = make(chat_models, tiny_tokenizer)
+    prepare_cost_model(alone, ReplicaConfig())
+    assert alone.cost is None and calls == []  # no folder: nothing yet
+    first = make(chat_models, tiny_tokenizer)
+    prepare_cost_model(first, ReplicaConfig(cost_cache_folder=str(folder)))
+    assert first.cost is not None and len(calls) == 1 and len(list(folder.glob("*.json"))) == 1
+    again = make(chat_models, tiny_tokenizer)
+    prepare_cost_model(again, ReplicaConfig(cost_cache_folder=str(folder)))
+    assert len(calls) == 1 and again.cost is not None and again.cost.to_dict() == first.cost.to_dict()
+    fresh = make(chat_models, tiny_tokenizer)
+    prepare_cost_model(fresh, ReplicaConfig(cost_cache_folder=str(folder), remeasure_costs=True))
+    assert len(calls) == 2 and fresh.cost is not None

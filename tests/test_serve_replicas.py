@@ -133,6 +133,10 @@ def test_config_file_builder_takes_the_flags_as_args() -> None:
     assert deployment.ray_actor_options["num_cpus"] == 2
     config = app._bound_deployment.init_args[0]
     assert config.source.target == "/models/t" and config.settings.speculation == "on"
+    assert config.cost_cache_folder is None and not config.remeasure_costs  # every replica measures
+    cached = replicas.app_builder({"target": "/models/t", "cost_cache_folder": "/c", "remeasure_costs": True})
+    config = cached._bound_deployment.init_args[0]
+    assert config.cost_cache_folder == "/c" and config.remeasure_costs
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch, capsys) -> None:

@@ -57,7 +57,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="adaptive: measure the cost model even when one measured with the same models, build, grid "
         "and machine is cached in serve-cost/ of $SPECDECODE_CACHE or ~/.cache/specdecode; the new one "
-        "replaces it (--replicas: each replica measures anyway)",
+        "replaces it (--replicas: every replica, each in its own machine's cache)",
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -218,6 +218,7 @@ def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
 
     from specdecode.load import choose
     from specdecode.models.torch.hf_loading import parse_dtype
+    from specdecode.serve.cost_cache import default_folder
     from specdecode.serve.replicas import ReplicaConfig, run_replicas
 
     parse_dtype(args.dtype)
@@ -239,6 +240,8 @@ def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
         served_model_name=args.served_model_name,
         num_cpus=args.replica_cpus,
         num_gpus=args.replica_gpus,
+        cost_cache_folder=str(default_folder()),
+        remeasure_costs=args.remeasure_costs,
     )
     run_replicas(config, args.replicas, host=args.host, port=args.port, ray_address=args.ray_address)
     return 0

@@ -108,6 +108,12 @@ class ReplicaConfig:
             and a llamacpp replica without ``--threads`` uses as many.
         session_affinity: route by session key (consistent hashing); False: Ray Serve's default
             router (the less loaded of two random replicas).
+        cost_cache_folder: where a replica in ``adaptive`` mode loads its start-up cost model from,
+            or stores the one it measured (:mod:`specdecode.serve.cost_cache`; the key includes the
+            replica's threads and its machine, so each node keeps its own); None: measure, store
+            nothing.
+        remeasure_costs: measure even where ``cost_cache_folder`` holds a model for the key
+            (``--remeasure-costs``).
 
     Raises:
         ValueError: ``num_cpus`` not above 0 or ``num_gpus`` below 0 (the message names the flag).
@@ -119,12 +125,23 @@ class ReplicaConfig:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     session_affinity: bool = True
+    cost_cache_folder: str | None = None
+    remeasure_costs: bool = False
 
     def __post_init__(self) -> None:
         if not self.num_cpus > 0:
             raise ValueError(f"--replica-cpus must be > 0, got {self.num_cpus!r}")
         if not self.num_gpus >= 0:
             raise ValueError(f"--replica-gpus must be >= 0, got {self.num_gpus!r}")
+
+
+def prepare_cost_model(scheduler: Any, config: ReplicaConfig) -> None:
+    """Give a replica's scheduler its start-up cost model from ``config.cost_cache_folder`` (loaded
+    when stored under this replica's key, else measured and stored;
+    :meth:`~specdecode.serve.scheduler.Scheduler.measure_cost_model`). Without a folder, nothing:
+    the scheduler measures when the app starts, as before."""
+    if config.cost_cache_folder is not None:
+        scheduler.measure_cost_model(cache_folder=config.cost_cache_folder, remeasure=config.remeasure_costs)
 
 
 # ------------------------------------------------------------------------------------ routing
@@ -339,6 +356,7 @@ class SpecdecodeReplica:
         self.server_app, self.scheduler = build_app(
             loaded.target, loaded.tokenizer, settings, draft=loaded.draft, vocabulary_checked=True
         )
+        await asyncio.to_thread(prepare_cost_model, self.scheduler, config)
         self.board = board
         self._add_routes()
         self._pusher = asyncio.get_running_loop().create_task(self._push_metrics()) if board is not None else None
@@ -451,7 +469,9 @@ def app_builder(args: dict[str, Any]) -> Any:
     """Ray Serve's application builder, for config files (``serve run``, ``serve deploy``, KubeRay's
     ``RayService``): ``import_path: specdecode.serve.replicas:app_builder`` with ``args`` of
 
-    - ``replicas`` (default 1), ``replica_cpus`` (1), ``replica_gpus`` (0), ``served_model_name``;
+    - ``replicas`` (default 1), ``replica_cpus`` (1), ``replica_gpus`` (0), ``served_model_name``,
+      ``cost_cache_folder`` (None: every replica measures its cost model; a path: as
+      ``specdecode serve``'s ``serve-cost`` folder) and ``remeasure_costs`` (False);
     - the fields of :class:`~specdecode.load.ModelSource` (``target``, ``draft``, ``dtype``,
       ``backend``, ``threads``, ``exact``);
     - the fields of :class:`~specdecode.serve.config.ServeSettings` but ``model_name``
@@ -473,6 +493,8 @@ def app_builder(args: dict[str, Any]) -> Any:
         served_model_name=args.pop("served_model_name", None),
         num_cpus=float(args.pop("replica_cpus", 1.0)),
         num_gpus=float(args.pop("replica_gpus", 0.0)),
+        cost_cache_folder=args.pop("cost_cache_folder", None),
+        remeasure_costs=bool(args.pop("remeasure_costs", False)),
     )
     if args:
         raise ValueError(f"app_builder: unknown args {sorted(args)}")
