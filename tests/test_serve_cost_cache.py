@@ -26,15 +26,13 @@ from specdecode.serve.scheduler import Scheduler
 
 from conftest import make_tiny_model
 
-REAL_DEFAULT_FOLDER = cost_cache.default_folder  # taken at import, before conftest's fixture replaces it
-
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """specdecode's cache folder is a fresh temporary one: nothing here reads or writes the user's
-    (and ``default_folder`` is the real one again, which conftest points elsewhere for other tests)."""
+    (and the cost cache is its ``serve-cost`` folder, not the one conftest names for other tests)."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cost_cache, "default_folder", REAL_DEFAULT_FOLDER)
+    monkeypatch.delenv(cost_cache.FOLDER_ENV, raising=False)
     return tmp_path / "cache"
 
 
@@ -417,3 +415,10 @@ def test_a_replica_loads_or_measures_as_its_config_says(chat_models, tiny_tokeni
     fresh = make(chat_models, tiny_tokenizer)
     prepare_cost_model(fresh, ReplicaConfig(cost_cache_folder=str(folder), remeasure_costs=True))
     assert len(calls) == 2 and fresh.cost is not None
+
+
+def test_an_environment_variable_names_a_folder_of_its_own(tmp_path, monkeypatch) -> None:
+    """``$SPECDECODE_SERVE_COST_CACHE`` moves the cost cache alone (tests' subprocesses use it)."""
+    assert cost_cache.default_folder() == tmp_path / "cache" / cost_cache.FOLDER  # under $SPECDECODE_CACHE
+    monkeypatch.setenv(cost_cache.FOLDER_ENV, str(tmp_path / "elsewhere"))
+    assert cost_cache.default_folder() == tmp_path / "elsewhere"

@@ -6,7 +6,9 @@ every batch size of the grid up to ``--max-batch-size`` times every tokens-per-r
 default proposer's draft cost), a few minutes of the machine with the default pair on 2 cores. The
 measurement depends only on what this module puts in its key, so a restart with the same key loads
 it instead, from ``<cache>/serve-cost/<key>.json`` (``<cache>``:
-:func:`specdecode.models.default.cache_dir`, ``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``).
+:func:`specdecode.models.default.cache_dir`, ``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``), or
+from ``$SPECDECODE_SERVE_COST_CACHE`` where that is set (a folder of its own, e.g. for tests, which
+keep the default models in the shared cache).
 
 The key (:func:`cost_key`) is the SHA-256 of every ingredient of the measurement, kept in the
 file in clear too (a file under the key with other ingredients is ignored as corrupt):
@@ -75,8 +77,15 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 """Files of a model folder whose size and mtime enter the key (with ``config.json``)."""
 
 
+FOLDER_ENV = "SPECDECODE_SERVE_COST_CACHE"
+"""Environment variable naming the cost cache's folder instead of ``<cache>/serve-cost``."""
+
+
 def default_folder() -> Path:
-    """``<cache>/serve-cost``: :func:`specdecode.models.default.cache_dir`'s folder (not created)."""
+    """``$SPECDECODE_SERVE_COST_CACHE`` where set, else ``<cache>/serve-cost`` under
+    :func:`specdecode.models.default.cache_dir` (not created)."""
+    if os.environ.get(FOLDER_ENV):
+        return Path(os.environ[FOLDER_ENV]).expanduser()
     from specdecode.models.default import cache_dir
 
     return cache_dir() / FOLDER
