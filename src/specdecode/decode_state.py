@@ -119,6 +119,8 @@ class DecodeState:
         self.generator = torch.Generator().manual_seed(self.seed)  # CPU, whatever the device (§2b)
         self.device = torch.device(device)
         self.stats = stats if stats is not None else SpecStats(prompt_tokens=P)
+        if proposer is not None:
+            self.stats.draft_pass_kind = proposer.pass_kind  # what prices draft_pass_widths
         self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
         self.generated: list[int] = []
         self.finish_reason: str | None = None
@@ -195,7 +197,6 @@ class DecodeState:
         self.stats.accepted_per_step.append(result.num_accepted)
         if self.proposer is not None:
             self.stats.draft_pass_widths.extend(self.proposer.take_pass_widths())  # its own model's forwards
-            self.stats.draft_pass_kind = self.proposer.pass_kind
             if features is not None:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]
             self.proposer.observe(result)

@@ -56,7 +56,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--remeasure-costs",
         action="store_true",
         help="adaptive: measure the cost model even when one measured with the same models, build, grid "
-        "and machine is cached in serve-cost/ of $SPECDECODE_CACHE or ~/.cache/specdecode; the new one "
+        "and machine is cached ($SPECDECODE_SERVE_COST_CACHE, else serve-cost/ of $SPECDECODE_CACHE or "
+        "~/.cache/specdecode); the new one "
         "replaces it (--replicas: every replica, each in its own machine's cache)",
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")

@@ -242,9 +242,10 @@ class Scheduler:
                 return
         tic = time.perf_counter()
         self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
-        if key is not None and cache_folder is not None:  # stored as measured, before serving refines it
+        if key is not None:  # stored as measured, before serving refines it
             from specdecode.serve.cost_cache import store_cost_model
 
+            assert cache_folder is not None  # a key is made only for a folder
             path = store_cost_model(key, self.cost, cache_folder, time.perf_counter() - tic)
             if path is not None:
                 log.info("cost model: stored in %s", path)
