@@ -392,6 +392,7 @@ def stage_torch(result_path: Path, dry: bool, quick: bool = False) -> None:
             if predicted is not None:
                 entry["predicted_s"] = round(predicted, 3)
                 entry["measured_over_predicted"] = round(seconds / predicted, 3)
+                entry["decode_steps"] = sum(len(info["target_passes"]) - 1 for info in extra)
             mal = [info["mean_acceptance_length"] for info in extra if "mean_acceptance_length" in info]
             if mal:
                 entry["mean_acceptance_length"] = round(sum(mal) / len(mal), 2)
@@ -401,6 +402,9 @@ def stage_torch(result_path: Path, dry: bool, quick: bool = False) -> None:
             if cuda:
                 torch.cuda.synchronize()
         save()
+    step = fit_step_ms(res["methods"], "specdecode_target_graphs")
+    if step is not None:
+        res["cost_table_fragment"] = {"step_ms": step}
     for name, outs in outputs.items():
         reference = "specdecode_target_graphs" if name.endswith("_graphs") else "specdecode_target"
         reference = reference if reference in outputs else "hf_generate"
@@ -756,6 +760,27 @@ def predict_seconds(costs: dict[str, dict[str, float]], name: str, infos: list[d
     return ms / 1000
 
 
+def fit_step_ms(methods: dict[str, dict[str, Any]], baseline: str) -> float | None:
+    """The host's work per decoding step (ms, a cost table's ``step_ms``): ``baseline``'s (the
+    target alone's) measured seconds minus its passes' price, over its decode steps (the target
+    passes after each prefill); negative fits count as 0. Every other entry with a price and steps
+    gains ``predicted_with_steps_s`` and ``measured_over_predicted_with_steps``: the check, on methods
+    the fit did not see, that one constant per step closes the gap. None: ``baseline`` has no price
+    or no steps (nothing is added)."""
+    base = methods.get(baseline, {})
+    if not base.get("predicted_s") or not base.get("decode_steps") or not base.get("seconds"):
+        return None
+    step_ms = max(0.0, (base["seconds"] - base["predicted_s"]) * 1000 / base["decode_steps"])
+    base["step_ms"] = round(step_ms, 4)
+    for name, entry in methods.items():
+        if name == baseline or not entry.get("predicted_s") or "decode_steps" not in entry:
+            continue
+        with_steps = entry["predicted_s"] + entry["decode_steps"] * step_ms / 1000
+        entry["predicted_with_steps_s"] = round(with_steps, 3)
+        entry["measured_over_predicted_with_steps"] = round(entry["seconds"] / with_steps, 3)
+    return round(step_ms, 4)
+
+
 def torch_methods(
     target: Any, draft: Any, new_tokens: int, dev: Any, graph_settings: Any, quick: bool = False
 ) -> list[tuple[str, Callable]]:
@@ -966,12 +991,13 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                            "gpu_offload": bool(lib.llama_supports_gpu_offload()),
                            "system_info": lib.llama_print_system_info().decode(errors="replace")[:300],
                            "pass_cost_ms": {}, "greedy_identity": {}, "methods": {}, "errors": {}}
+    new_tokens, prompt_len = (6, 24) if dry else (128, 256)
     depth, reps, ns = (16, 1, (1, 3)) if dry else (400, 10, PASS_NS)
+    ns = (*ns, prompt_len)  # the prompts' prefill, measured rather than extrapolated, to price the methods
     res["pass_cost_depth"] = depth
     res["pass_cost_reps"] = reps
     write_json(result_path, res)
     threads = 1 if dry else None  # dry run: one thread (spinning threads crawl on a busy 2-core box)
-    new_tokens, prompt_len = (6, 24) if dry else (128, 256)
     for exact in (False, True):
         label = f"exact={exact}"
         try:
@@ -997,17 +1023,27 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                     try:
                         warm = SamplingParams(temperature=0, max_new_tokens=4)
                         gen.generate(prompts[0], warm, speculative=speculative)
-                        tokens, seconds = 0, 0.0
+                        tokens, seconds, widths = 0, 0.0, []
                         for prompt in prompts:
                             t = time.perf_counter()
                             out = gen.generate(prompt, SamplingParams(temperature=0, max_new_tokens=new_tokens),
                                                speculative=speculative)
                             seconds += time.perf_counter() - t
                             tokens += len(out.token_ids)
+                            widths.append(list(out.stats.target_pass_widths))
                         res["methods"][name] = {"tok_s": round(tokens / seconds, 1), "new_tokens": tokens,
                                                 "seconds": round(seconds, 3)}
                         if speculative:
                             res["methods"][name]["mean_acceptance_length"] = round(out.stats.mean_acceptance_length, 2)
+                        curve = res["pass_cost_ms"][label]
+                        if all(w[0] == prompt_len for w in widths) and str(prompt_len) in curve:
+                            from specdecode.bench.cost_table import parse_cost_table
+
+                            table = parse_cost_table({"device": "measured here", "target": curve})
+                            predicted = sum(table.target(n) for w in widths for n in w) / 1000
+                            res["methods"][name].update(
+                                predicted_s=round(predicted, 3), measured_over_predicted=round(seconds / predicted, 3),
+                                decode_steps=sum(len(w) - 1 for w in widths))
                     except Exception as error:  # noqa: BLE001
                         res["methods"][name] = {"error": error_text(error)}
                     write_json(result_path, res)
@@ -1035,7 +1071,10 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
     curves = (("target", "exact=False"), ("draft", "draft exact=False"))
-    fragment = {role: res["pass_cost_ms"][key] for role, key in curves if res["pass_cost_ms"].get(key)}
+    fragment: dict[str, Any] = {role: res["pass_cost_ms"][key] for role, key in curves if res["pass_cost_ms"].get(key)}
+    step = fit_step_ms(res["methods"], "llamacpp_target")
+    if fragment and step is not None:
+        fragment["step_ms"] = step
     if fragment:
         res["cost_table_fragment"] = fragment
     write_json(result_path, res)
@@ -1231,7 +1270,9 @@ def summary_markdown(res: dict[str, Any]) -> str:
         if name.startswith("llama") and tok_s and base:
             ratio += " (of llamacpp_target)"
         lines.append(f"| {name} | {fmt(tok_s)} | {ratio} | {fmt(entry.get('mean_acceptance_length'), 2)} | "
-                     f"{fmt(entry.get('measured_over_predicted'), 2)} | "
+                     f"{fmt(entry.get('measured_over_predicted'), 2)}"
+                     f"{' (' + fmt(entry['measured_over_predicted_with_steps'], 2) + ' with steps)' if 'measured_over_predicted_with_steps' in entry else ''}"  # noqa: E501
+                     f"{' (fit: ' + fmt(entry['step_ms'], 3) + ' ms/step)' if 'step_ms' in entry else ''} | "
                      f"{entry.get('identical_to', '')} | {entry.get('error', '')} |")
 
     torch_depth = settings["pass_cost_depth"] if settings else "?"
@@ -1258,12 +1299,9 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   f"{hs.get('cache_entries', '?')} entries in the EAGLE head's cache; W tokens):", "",
                   "| drafter | " + " | ".join(f"W={w}" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(w)), 3) for w in ws) + " |" for label, row in head_rows]
-        if heads.get("cost_table_fragment"):
-            lines.append(f"\nCost-table fragment (h100-torch-graphs-bf16.json): "
-                         f"`{json.dumps(heads['cost_table_fragment'])}`")
-    if llama_res.get("cost_table_fragment"):
-        lines.append(f"\nCost-table fragment (h100-llamacpp-cuda-q4km.json): "
-                     f"`{json.dumps(llama_res['cost_table_fragment'])}`")
+    for table, fragment in res.get("cost_table_fragments", {}).items():
+        if isinstance(fragment, dict):
+            lines.append(f"\nCost-table fragment ({table}): `{json.dumps(fragment)}`")
     identity = llama_res.get("greedy_identity", {})
     if identity:
         widths = sorted({int(w) for entry in identity.values() for w in entry["rate"]})
@@ -1480,9 +1518,10 @@ def run(args: argparse.Namespace) -> int:
         res["stages"]["compile"] = {"status": "skipped", "note": "out of time budget"}
 
     shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
-    fragments = {table: res["stages"].get(stage, {}).get("cost_table_fragment")
-                 for stage, table in (("heads", "h100-torch-graphs-bf16.json"),
-                                      ("llamacpp", "h100-llamacpp-cuda-q4km.json"))}
+    fragments: dict[str, dict[str, Any]] = {}
+    for stage, table in (("torch", "h100-torch-graphs-bf16.json"), ("heads", "h100-torch-graphs-bf16.json"),
+                         ("llamacpp", "h100-llamacpp-cuda-q4km.json")):
+        fragments.setdefault(table, {}).update(res["stages"].get(stage, {}).get("cost_table_fragment") or {})
     res["cost_table_fragments"] = {table: fragment for table, fragment in fragments.items() if fragment}
     if dry:
         res["cost_table_fragments"]["note"] = "CPU dry run: not timings, do not ship"

@@ -55,6 +55,8 @@ def test_interpolation_and_extrapolation():
         ({"device": "x", "target": {"1": "fast"}}, "target['1']"),
         ({"device": "x", "target": {"1": 1.0}, "draft": {"2": None}}, "draft['2']"),
         ({"device": "x", "target": {"1": 1.0}, "prefill_ms_per_token": -2}, "'prefill_ms_per_token'"),
+        ({"device": "x", "target": {"1": 1.0}, "step_ms": -0.1}, "'step_ms'"),
+        ({"device": "x", "target": {"1": 1.0}, "step_ms": "0.4"}, "'step_ms'"),
         ({"device": "x", "target": {"1": 1.0}, "targett": {}}, "unknown field(s) ['targett']"),
     ],
 )
@@ -104,6 +106,23 @@ def test_price_of_a_hand_made_record_is_exact():
     assert price({k: v for k, v in r.items() if k != "passes"}, table) is None  # results saved before
 
 
+def test_step_ms_prices_every_step_after_the_prefill_and_moves_the_prediction():
+    """The host's work per step (``step_ms``) is added once per target pass after the prefill, never
+    for the prefill or a draft pass; it shrinks a speedup made of fewer, wider passes."""
+    stepped = parse_cost_table({**TABLE, "step_ms": 0.5})
+    assert stepped.step_ms == 0.5 and parse_cost_table(TABLE).step_ms is None
+    r = record("m", [5, 3, 3, 1], [2, 1, 1, 1])  # 3 steps after the prefill, 4 draft passes
+    assert price(r, stepped) == pytest.approx(price(r, parse_cost_table(TABLE)) + 3 * 0.5 / 1000)
+    assert price(record("m", [5], []), stepped) == pytest.approx(16 / 1000)  # a prefill alone: no step
+    records = [record("target", [5, 1, 1, 1, 1], []), record("spec", [5, 3, 1], [1, 1])]
+    free = predict(records, ["spec"], parse_cost_table(TABLE))["spec"]["all"]["predicted"]
+    costly = predict(records, ["spec"], parse_cost_table({**TABLE, "step_ms": 4.0}))["spec"]["all"]["predicted"]
+    assert free == pytest.approx(56 / 44) and costly == pytest.approx((56 + 4 * 4) / (44 + 2 * 4))
+    assert prediction_table({"spec": {"all": {"predicted": costly, "measured": 1.0}}},
+                            parse_cost_table({**TABLE, "step_ms": 4.0})).count("'step_ms'") == 1  # fmt: skip
+    assert "not priced (the table has no 'step_ms')" in prediction_table({}, parse_cost_table(TABLE))
+
+
 def test_draft_passes_are_priced_on_the_curve_of_their_kind():
     """A record's ``draft_kind`` picks the curve: a draft model's, an EAGLE head's, Medusa heads';
     a kind the table lacks is free and named by ``unpriced_drafts``; records without one are draft models'."""
@@ -135,7 +154,7 @@ def test_draft_passes_are_priced_on_the_curve_of_their_kind():
     text = prediction_table(prediction, plain, unpriced=unpriced_drafts(records, plain))
     assert "| eagle * |" in text and "| target |" in text
     assert "* eagle: its draft passes are not priced (the table has no 'eagle' curve): an upper bound." in text
-    assert "not priced" not in prediction_table(prediction, table, unpriced=unpriced_drafts(records, table))
+    assert "passes are not priced" not in prediction_table(prediction, table, unpriced=unpriced_drafts(records, table))
 
 
 def test_predicted_speedup_per_group_and_overall():

@@ -15,7 +15,8 @@ The table is JSON::
       "draft": {"1": 13.4, "2": 15.8, "5": 16.0},               # ms per draft-model pass (optional)
       "eagle": {"1": 0.9, "4": 1.0, "16": 1.1},                 # ms per EAGLE head forward (optional)
       "medusa": {"1": 0.3},                                     # ms per Medusa evaluation (optional)
-      "prefill_ms_per_token": 0.05                              # optional, see below
+      "prefill_ms_per_token": 0.05,                             # optional, see below
+      "step_ms": 0.43                                           # optional, see below
     }
 
 Widths are positive integers (as JSON keys, strings), costs non-negative milliseconds. A width
@@ -35,10 +36,17 @@ table gives it, else the ``target`` curve at its width (usually far beyond the m
 so an extrapolation; the prefill is the same for every method on the same prompts, so it dilutes
 the speedup without changing the order of methods).
 
-Not priced: work outside the passes (sampling, verification, the proposer's own search, Python
-overhead, host-device copies) and the drafts of proposers that record no passes (early exit, the
-cross-tokenizer draft). A predicted speedup is therefore an upper bound for methods with much
-per-step overhead.
+``step_ms`` is the host's work per decoding step, outside the passes: sampling, verification, the
+proposer's own search, Python, host-device copies. Every target pass after the prefill is one step
+and costs ``step_ms`` on top of its pass. It is measured, not modelled: the target alone's
+end-to-end time on the table's machine minus its passes' price, over its steps
+(``scripts/gpu_check.py`` fits it so). One constant for every method: a proposer whose own search
+costs more per step than the target alone's loop (prompt lookup's n-gram match) is still priced a
+little under what it costs. Without ``step_ms`` that work is free.
+
+Not priced: the drafts of proposers that record no passes (early exit, the cross-tokenizer draft),
+and, without ``step_ms``, the host's work per step. A predicted speedup is then an upper bound for
+methods with much per-step overhead.
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ class CostTable:
         medusa: the cost of one evaluation of every Medusa head (ms), or None (free).
         prefill_ms_per_token: the prefill's cost per prompt token (ms), or None (the target curve).
         source: how it was measured (free text, may be empty).
+        step_ms: the host's work per decoding step outside the passes (ms), or None (free).
     """
 
     device: str
@@ -108,6 +117,7 @@ class CostTable:
     source: str = ""
     eagle: CostCurve | None = None
     medusa: CostCurve | None = None
+    step_ms: float | None = None
 
     def drafts(self, kind: str) -> CostCurve | None:
         """The curve that prices draft passes of ``kind`` (``draft``, ``eagle``, ``medusa``), or None
@@ -143,7 +153,8 @@ def parse_cost_table(data: Any) -> CostTable:
     Raises:
         ValueError: not an object, ``device`` missing or not text, ``target`` missing or empty, a
             width that is not a positive integer, a cost that is not a non-negative number, or
-            ``prefill_ms_per_token`` not a non-negative number (the message names the field).
+            ``prefill_ms_per_token`` or ``step_ms`` not a non-negative number (the message names the
+            field).
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"cost table: expected a JSON object, got {type(data).__name__}")
@@ -152,11 +163,12 @@ def parse_cost_table(data: Any) -> CostTable:
         raise ValueError(f"cost table: 'device' must be a non-empty string, got {device!r}")
     if "target" not in data:
         raise ValueError("cost table: 'target' is missing (ms per target pass by tokens fed, e.g. {\"1\": 15.5})")
-    known = {"device", "source", "target", *DRAFT_KINDS, "prefill_ms_per_token"}
+    known = {"device", "source", "target", *DRAFT_KINDS, "prefill_ms_per_token", "step_ms"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"cost table: unknown field(s) {unknown}; known: {sorted(known)}")
     prefill = data.get("prefill_ms_per_token")
+    step = data.get("step_ms")
     source = data.get("source", "")
     if not isinstance(source, str):
         raise ValueError(f"cost table: 'source' must be a string, got {source!r}")
@@ -168,6 +180,7 @@ def parse_cost_table(data: Any) -> CostTable:
         medusa=_curve(data["medusa"], "medusa") if data.get("medusa") is not None else None,
         prefill_ms_per_token=_number(prefill, "'prefill_ms_per_token'") if prefill is not None else None,
         source=source,
+        step_ms=_number(step, "'step_ms'") if step is not None else None,
     )
 
 
@@ -198,9 +211,10 @@ def price(record: Record, table: CostTable) -> float | None:
     """The predicted seconds of one record's passes on ``table``'s machine, or None when the record
     has no ``passes`` (a peer whose passes are not known, or results saved before they were recorded).
 
-    Seconds = (prefill + Σ target passes after it + Σ draft passes) / 1000, each pass's ms from the
-    table by its width: draft passes on the curve of the record's ``draft_kind`` (none: free; the
-    module docstring says how the prefill is priced).
+    Seconds = (prefill + Σ target passes after it + Σ draft passes + steps x ``step_ms``) / 1000,
+    each pass's ms from the table by its width: draft passes on the curve of the record's
+    ``draft_kind`` (none: free), one step per target pass after the prefill (the module docstring
+    says how the prefill is priced).
     """
     passes = record.get("passes")
     if not passes or not passes.get("target"):
@@ -209,6 +223,8 @@ def price(record: Record, table: CostTable) -> float | None:
     prefill = target[0]
     ms = prefill * table.prefill_ms_per_token if table.prefill_ms_per_token is not None else table.target(prefill)
     ms += sum(table.target(w) for w in target[1:])
+    if table.step_ms is not None:
+        ms += table.step_ms * (len(target) - 1)
     curve = table.drafts(passes.get("draft_kind") or "draft")
     if curve is not None:
         ms += sum(curve(w) for w in passes.get("draft") or ())
@@ -287,6 +303,10 @@ def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | 
         lines.append(f"| {method}{mark} | " + " | ".join(cell(by_group.get(g)) for g in groups) + " |")
     lines.append("")
     lines.append("Priced from each generation's recorded passes (specdecode.bench.cost_table); '-': passes not known.")
+    if table.step_ms is None:
+        lines.append("The host's work per step is not priced (the table has no 'step_ms'): upper bounds.")
+    else:
+        lines.append(f"Each step after the prefill adds the host's {table.step_ms:g} ms (the table's 'step_ms').")
     for method, kinds in unpriced.items():
         if method in prediction:
             missing = ", ".join(f"'{k}'" for k in kinds)
@@ -298,10 +318,11 @@ def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | 
 def prediction_results(results: Mapping[str, Any], table: CostTable, source: str,
                        baseline: str = BASELINE) -> dict[str, Any]:  # fmt: skip
     """What ``results.json`` keeps under ``predicted``: the table's device and file, the baseline,
-    :func:`predict`'s speedups and :func:`unpriced_drafts`."""
+    :func:`predict`'s speedups, :func:`unpriced_drafts` and the table's ``step_ms`` (None: not priced)."""
     return {
         "cost_table": str(source),
         "device": table.device,
+        "step_ms": table.step_ms,
         "baseline": baseline,
         "speedup": predict(results["records"], results["methods"], table, baseline),
         "unpriced_drafts": unpriced_drafts(results["records"], table),
