@@ -1237,6 +1237,16 @@ def fmt(value: Any, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def cost_table_fragments(stages: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each stage's ``cost_table_fragment`` merged per shipped table (torch's ``step_ms`` and the
+    heads' curves go to the torch graphs table, llama.cpp's to its own); empty ones left out."""
+    fragments: dict[str, dict[str, Any]] = {}
+    for stage, table in (("torch", "h100-torch-graphs-bf16.json"), ("heads", "h100-torch-graphs-bf16.json"),
+                         ("llamacpp", "h100-llamacpp-cuda-q4km.json")):
+        fragments.setdefault(table, {}).update(stages.get(stage, {}).get("cost_table_fragment") or {})
+    return {table: fragment for table, fragment in fragments.items() if fragment}
+
+
 def summary_markdown(res: dict[str, Any]) -> str:
     stages = res.get("stages", {})
     torch_res, pytest_res, llama_res = stages.get("torch", {}), stages.get("pytest", {}), stages.get("llamacpp", {})
@@ -1299,7 +1309,7 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   f"{hs.get('cache_entries', '?')} entries in the EAGLE head's cache; W tokens):", "",
                   "| drafter | " + " | ".join(f"W={w}" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(w)), 3) for w in ws) + " |" for label, row in head_rows]
-    for table, fragment in res.get("cost_table_fragments", {}).items():
+    for table, fragment in (res.get("cost_table_fragments") or cost_table_fragments(stages)).items():
         if isinstance(fragment, dict):
             lines.append(f"\nCost-table fragment ({table}): `{json.dumps(fragment)}`")
     identity = llama_res.get("greedy_identity", {})
@@ -1518,11 +1528,7 @@ def run(args: argparse.Namespace) -> int:
         res["stages"]["compile"] = {"status": "skipped", "note": "out of time budget"}
 
     shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
-    fragments: dict[str, dict[str, Any]] = {}
-    for stage, table in (("torch", "h100-torch-graphs-bf16.json"), ("heads", "h100-torch-graphs-bf16.json"),
-                         ("llamacpp", "h100-llamacpp-cuda-q4km.json")):
-        fragments.setdefault(table, {}).update(res["stages"].get(stage, {}).get("cost_table_fragment") or {})
-    res["cost_table_fragments"] = {table: fragment for table, fragment in fragments.items() if fragment}
+    res["cost_table_fragments"] = cost_table_fragments(res["stages"])
     if dry:
         res["cost_table_fragments"]["note"] = "CPU dry run: not timings, do not ship"
     res["seconds"] = round(time.monotonic() - t_start, 1)

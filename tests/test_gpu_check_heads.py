@@ -93,3 +93,8 @@ def test_summary_shows_heads_and_fragments(gpu_check):
     assert "| Medusa, 4 heads + logits | 0.200 | — |" in text
     assert json.dumps(heads["cost_table_fragment"]) in text
     assert json.dumps(llama["cost_table_fragment"]) in text
+    torch_stage = {"status": "ok", "cost_table_fragment": {"step_ms": 0.43}}  # merged with the heads' fragment
+    merged = gpu_check.cost_table_fragments({"torch": torch_stage, "heads": heads, "llamacpp": llama})
+    assert merged["h100-torch-graphs-bf16.json"] == {"step_ms": 0.43, **heads["cost_table_fragment"]}
+    text = gpu_check.summary_markdown({"stages": {"torch": torch_stage, "heads": heads}})
+    assert json.dumps(merged["h100-torch-graphs-bf16.json"]) in text
