@@ -764,9 +764,10 @@ def fit_step_ms(methods: dict[str, dict[str, Any]], baseline: str) -> float | No
     """The host's work per decoding step (ms, a cost table's ``step_ms``): ``baseline``'s (the
     target alone's) measured seconds minus its passes' price, over its decode steps (the target
     passes after each prefill); negative fits count as 0. Every other entry with a price and steps
-    gains ``predicted_with_steps_s`` and ``measured_over_predicted_with_steps``: the check, on methods
-    the fit did not see, that one constant per step closes the gap. None: ``baseline`` has no price
-    or no steps (nothing is added)."""
+    gains ``predicted_with_steps_s`` and ``measured_over_predicted_with_steps`` (the check, on methods
+    the fit did not see, that one constant per step closes the gap) and ``own_step_ms``, the same fit
+    on its own figures (a proposer's search shows there; negative: its passes cost less than the
+    curve says). None: ``baseline`` has no price or no steps (nothing is added)."""
     base = methods.get(baseline, {})
     if not base.get("predicted_s") or not base.get("decode_steps") or not base.get("seconds"):
         return None
@@ -778,6 +779,8 @@ def fit_step_ms(methods: dict[str, dict[str, Any]], baseline: str) -> float | No
         with_steps = entry["predicted_s"] + entry["decode_steps"] * step_ms / 1000
         entry["predicted_with_steps_s"] = round(with_steps, 3)
         entry["measured_over_predicted_with_steps"] = round(entry["seconds"] / with_steps, 3)
+        if entry["decode_steps"]:
+            entry["own_step_ms"] = round((entry["seconds"] - entry["predicted_s"]) * 1000 / entry["decode_steps"], 4)
     return round(step_ms, 4)
 
 
@@ -1047,6 +1050,11 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                     except Exception as error:  # noqa: BLE001
                         res["methods"][name] = {"error": error_text(error)}
                     write_json(result_path, res)
+                try:  # the passes alone, without the engine: where the per-token gap to llama-cpp-python lies
+                    res["methods"]["llamacpp_runner_loop"] = runner_loop(model, prompts, new_tokens)
+                except Exception as error:  # noqa: BLE001
+                    res["methods"]["llamacpp_runner_loop"] = {"error": error_text(error)}
+                write_json(result_path, res)
             del model
             if not exact:
                 try:
@@ -1054,6 +1062,17 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                         lib, gguf, prompts, new_tokens, threads)
                 except Exception as error:  # noqa: BLE001
                     res["methods"]["llama_cpp_python_generate"] = {"error": error_text(error)}
+                curve = res["pass_cost_ms"].get(label, {})
+                for name in ("llamacpp_runner_loop", "llama_cpp_python_generate"):
+                    entry = res["methods"][name]
+                    if "seconds" in entry and str(prompt_len) in curve:  # one prefill, then a pass per token
+                        from specdecode.bench.cost_table import parse_cost_table
+
+                        table = parse_cost_table({"device": "measured here", "target": curve})
+                        steps = entry["new_tokens"] - len(prompts)
+                        predicted = (len(prompts) * table.target(prompt_len) + steps * table.target(1)) / 1000
+                        entry.update(predicted_s=round(predicted, 3), decode_steps=steps,
+                                     measured_over_predicted=round(entry["seconds"] / predicted, 3))
                 write_json(result_path, res)
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
@@ -1092,6 +1111,31 @@ def llama_pass_costs(runner: Any, vocab: int, depth: int, ns: tuple[int, ...], r
         x = torch.randint(0, vocab, (n,), generator=g)
         row[str(n)] = pass_ms(runner, x, depth, reps, warmups=1)
         save()
+
+
+def runner_loop(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Greedy tok/s of a bare loop on a fresh runner of ``model``: the prompt's pass, then one-token
+    passes, each row's argmax (numpy) fed back; no engine, no stats, no stop checks. Its gap to
+    ``llamacpp_target`` is the engine's work per token; to llama-cpp-python's, the runner's."""
+    import torch
+
+    runner = model.make_runner()
+
+    def decode(prompt: list[int], n: int) -> int:
+        runner.reset()
+        logits = runner.forward(torch.tensor(prompt))
+        for _ in range(n - 1):
+            token = int(logits[-1].numpy().argmax())
+            logits = runner.forward(torch.tensor([token]))
+        return n
+
+    decode(prompts[0], 4)  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        t = time.perf_counter()
+        tokens += decode(prompt, new_tokens)
+        seconds += time.perf_counter() - t
+    return {"tok_s": round(tokens / seconds, 1), "new_tokens": tokens, "seconds": round(seconds, 3)}
 
 
 def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_tokens: int,
@@ -1282,7 +1326,8 @@ def summary_markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {fmt(tok_s)} | {ratio} | {fmt(entry.get('mean_acceptance_length'), 2)} | "
                      f"{fmt(entry.get('measured_over_predicted'), 2)}"
                      f"{' (' + fmt(entry['measured_over_predicted_with_steps'], 2) + ' with steps)' if 'measured_over_predicted_with_steps' in entry else ''}"  # noqa: E501
-                     f"{' (fit: ' + fmt(entry['step_ms'], 3) + ' ms/step)' if 'step_ms' in entry else ''} | "
+                     f"{' (fit: ' + fmt(entry['step_ms'], 3) + ' ms/step)' if 'step_ms' in entry else ''}"
+                     f"{' (own: ' + fmt(entry['own_step_ms'], 3) + ' ms/step)' if 'own_step_ms' in entry else ''} | "
                      f"{entry.get('identical_to', '')} | {entry.get('error', '')} |")
 
     torch_depth = settings["pass_cost_depth"] if settings else "?"
