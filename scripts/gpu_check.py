@@ -425,6 +425,7 @@ SHIPPED_DRAFTER_CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TARGET_NAME = "Qwen2.5-Coder-1.5B-Instruct"
 HEAD_WIDTHS = (1, 2, 4, 8, 16)  # EAGLE forwards: 1 per chain step; a tree's depth has W nodes
+EAGLE_PROMPT_WIDTH = 256  # and its first forward, over the prompt's pairs (causal only)
 DRY_EMBED_ROWS = 4096  # the dry run's token embeddings: this many rows of the target's (token ids below it)
 
 
@@ -528,8 +529,9 @@ def _time_eagle(drafter: Any, widths: tuple[int, ...], dev: Any, dtype: Any, dep
     g = torch.Generator().manual_seed(5)
     context = torch.randint(0, token_limit, (depth,), generator=g)
     proposer._head(torch.randn(depth, H, generator=g).to(dev, dtype), context, torch.arange(1, depth + 1))  # cached
-    features = torch.randn(max(widths), H, generator=g).to(dev, dtype)  # predicted features, on the device
-    positions = {w: torch.arange(depth + 1, depth + 1 + w) for w in widths}
+    causal = (*widths, EAGLE_PROMPT_WIDTH)  # the head's first forward covers a prompt's pairs: priced, not extrapolated
+    features = torch.randn(max(causal), H, generator=g).to(dev, dtype)  # predicted features, on the device
+    positions = {w: torch.arange(depth + 1, depth + 1 + w) for w in causal}
     masks = {}
     for w in widths:  # a chain's mask in a tree's form: every cached pair, then causal
         mask = torch.zeros(w, depth + w, dtype=torch.bool)
@@ -544,7 +546,7 @@ def _time_eagle(drafter: Any, widths: tuple[int, ...], dev: Any, dtype: Any, dep
 
     for key, masked in (("eagle_ms", False), ("eagle_tree_mask_ms", True)):
         timer = HeadPass(lambda x, m=masked: step(x, m), proposer._crop)
-        for w in widths:
+        for w in widths if masked else causal:
             if masked and w == 1:
                 continue
             x = torch.randint(0, token_limit, (w,), generator=g)
