@@ -26,7 +26,11 @@ file in clear too (a file under the key with other ingredients is ignored as cor
   file or folder also by that file's size and mtime) and k;
 - the machine: CPU model, a hash of its flags, architecture, cores (all and usable), the CUDA
   GPUs torch sees;
-- :data:`FORMAT`, raised whenever the measurement's method or the file's layout changes.
+- :data:`FORMAT`, raised whenever the file's layout changes, and a hash of the measuring code
+  (:func:`method_identity`: the source of :func:`~specdecode.serve.cost.measure_target_costs`,
+  :func:`~specdecode.serve.cost.measure_draft_cost` and the scheduler's ``calibrate`` and
+  ``_calibration_grid``), so a change of how it measures (its context, repeats, grid) is a new
+  key without anybody remembering to raise :data:`FORMAT`.
 
 **What is stored is the start-up measurement only.** While serving, the scheduler refines the
 model in place (:meth:`CostModel.observe_target`'s per-batch-size speed factors,
@@ -243,6 +247,21 @@ def _versions() -> dict[str, Any]:
     }
 
 
+def method_identity() -> str:
+    """A hash of the measuring code's source (the module docstring names the functions), or
+    ``"unknown"`` where the source cannot be read (then :data:`FORMAT` alone stands for it)."""
+    import inspect
+
+    from specdecode.serve import cost, scheduler
+
+    parts = (cost.measure_target_costs, cost.measure_draft_cost, scheduler.Scheduler.calibrate,
+             scheduler.Scheduler._calibration_grid)  # fmt: skip
+    try:
+        return _digest([inspect.getsource(part) for part in parts])
+    except (OSError, TypeError):
+        return "unknown"
+
+
 def cost_key(
     target: Any,
     draft: Any | None,
@@ -267,6 +286,7 @@ def cost_key(
 
     ingredients = {
         "format": FORMAT,
+        "method": method_identity(),
         "backend": backend_of(target),
         "versions": _versions(),
         "machine": machine_identity(),
