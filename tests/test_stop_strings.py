@@ -81,8 +81,7 @@ class FullDecodeStream:
             safe = cut
         else:
             safe = len(full) - self._held_back(full)
-            if full.endswith("\ufffd"):
-                safe = min(safe, len(full) - 1)
+            safe = min(safe, len(full.rstrip("\ufffd")))  # an unfinished character: every U+FFFD at the end
         piece = full[len(self.text) : safe] if safe > len(self.text) else ""
         self.text += piece
         return piece
@@ -198,3 +197,26 @@ def test_clean_up_of_spaces_decodes_everything(tiny_tokenizer: Any) -> None:
         for token in ids:
             assert mine.add(token) == reference.add(token) and mine.stopped == reference.stopped, (ids, stop)
         assert mine.finish() == reference.finish(), (ids, stop)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "strip", "metaspace"])
+def test_streamed_text_is_always_a_prefix_of_the_final_text(kind: str, tiny_tokenizer: Any) -> None:
+    """Valid text streamed token by token never shows a character it later takes back: a byte-fallback
+    run of a 3- or 4-byte character (``<0xE2><0x82><0xAC>``, decoded ``\ufffd\ufffd`` halfway) is held
+    back whole, not shown as U+FFFD (Llama 2's and Mistral's tokenizers)."""
+    tokenizer = tiny_tokenizer if kind == "byte-level" else sentencepiece_like(kind)
+    rng = random.Random(f"prefix {kind}")
+    for _ in range(100):
+        text = "".join(rng.choice(TEXTS) for _ in range(rng.randrange(1, 6)))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        final = tokenizer.decode(ids, skip_special_tokens=True)
+        stream = StopStringStream(tokenizer)
+        for i, token in enumerate(ids):
+            stream.add(token)
+            assert final.startswith(stream.text), (text, i, stream.text)
+        stream.finish()
+        assert stream.text == final
+    if kind == "strip":  # Llama 2's decoder turns <0xNN> runs into characters (Metaspace alone keeps them)
+        euro = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "€".encode()]
+        stream = StopStringStream(tokenizer)
+        assert [stream.add(t) for t in euro] == ["", "", "€"]

@@ -1,7 +1,9 @@
 """Incremental detokenization with stop strings, for streaming.
 
 The text is what decoding all new token ids at once gives (byte-level BPE decodes a prefix of the
-ids to a prefix of the text, up to an unfinished UTF-8 character, shown as U+FFFD and held back).
+ids to a prefix of the text, up to an unfinished UTF-8 character, shown as U+FFFD and held back; a
+SentencePiece byte-fallback run shows one U+FFFD per byte until the character is complete, so the
+whole trailing run of them is held back, until more text or the end releases it).
 Text that could be the beginning of a stop string is held back too, so no text past a stop string
 is ever emitted, even when the stop string spans several tokens of one accepted draft.
 
@@ -104,8 +106,9 @@ class StopStringStream:
             safe = cut
         else:
             safe = end - self._held_back(tail)
-            if tail.endswith("\ufffd"):  # an unfinished multi-byte character
-                safe = min(safe, end - 1)
+            # an unfinished multi-byte character: byte-level BPE shows it as one U+FFFD, a SentencePiece
+            # byte-fallback run as one per byte so far (<0xE2><0x82> is two before <0xAC> makes a euro)
+            safe = min(safe, end - (len(tail) - len(tail.rstrip("\ufffd"))))
         piece = tail[len(self.text) - base : safe - base] if safe > len(self.text) else ""
         self.text += piece
         self._settle(tail, base, longest)
