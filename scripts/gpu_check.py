@@ -988,6 +988,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
     import torch  # noqa: F401 - before llama_cpp, as specdecode loads them
 
     from specdecode import SamplingParams, SpeculativeGenerator
+    from specdecode.bench.cost_table import parse_cost_table
     from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
     from specdecode.proposers.prompt_lookup import PromptLookupProposer
 
@@ -1042,8 +1043,6 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                             res["methods"][name]["mean_acceptance_length"] = round(out.stats.mean_acceptance_length, 2)
                         curve = res["pass_cost_ms"][label]
                         if all(w[0] == prompt_len for w in widths) and str(prompt_len) in curve:
-                            from specdecode.bench.cost_table import parse_cost_table
-
                             table = parse_cost_table({"device": "measured here", "target": curve})
                             predicted = sum(table.target(n) for w in widths for n in w) / 1000
                             res["methods"][name].update(
@@ -1068,8 +1067,6 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                 for name in ("llamacpp_runner_loop", "llama_cpp_python_generate"):
                     entry = res["methods"][name]
                     if "seconds" in entry and str(prompt_len) in curve:  # one prefill, then a pass per token
-                        from specdecode.bench.cost_table import parse_cost_table
-
                         table = parse_cost_table({"device": "measured here", "target": curve})
                         steps = entry["new_tokens"] - len(prompts)
                         predicted = (len(prompts) * table.target(prompt_len) + steps * table.target(1)) / 1000
@@ -1079,6 +1076,26 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
             write_json(result_path, res)
+    # flash attention off, as llama-cpp-python's context has it (ours: llama.cpp's choice): its share of the gap
+    label = "exact=False flash=off"
+    try:
+        model = LlamaCppModel(gguf, LlamaCppOptions(n_ctx=2048, exact=False, threads=threads, flash_attn=False))
+        runner = model.make_runner()
+        vocab = min(model.vocab_size, 150000)
+        llama_pass_costs(runner, vocab, depth, (1, 9, prompt_len) if not dry else (1, prompt_len), reps,
+                         res["pass_cost_ms"].setdefault(label, {}), lambda: write_json(result_path, res))
+        del runner
+        entry = runner_loop(model, make_prompts(vocab, prompt_len, 2), new_tokens)
+        curve = parse_cost_table({"device": "measured here", "target": res["pass_cost_ms"][label]})
+        steps = entry["new_tokens"] - 2
+        predicted = (2 * curve.target(prompt_len) + steps * curve.target(1)) / 1000
+        entry.update(predicted_s=round(predicted, 3), decode_steps=steps,
+                     measured_over_predicted=round(entry["seconds"] / predicted, 3))
+        res["methods"]["llamacpp_runner_loop_flash_off"] = entry
+        del model
+    except Exception as error:  # noqa: BLE001
+        res["errors"][label] = error_text(error)
+    write_json(result_path, res)
     if draft_gguf is not None:  # the draft's passes (a draft never verifies: fast mode only)
         label = "draft exact=False"
         try:
