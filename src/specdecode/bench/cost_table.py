@@ -16,7 +16,8 @@ The table is JSON::
       "eagle": {"1": 0.9, "4": 1.0, "16": 1.1},                 # ms per EAGLE head forward (optional)
       "medusa": {"1": 0.3},                                     # ms per Medusa evaluation (optional)
       "prefill_ms_per_token": 0.05,                             # optional, see below
-      "step_ms": 0.43                                           # optional, see below
+      "step_ms": 0.43,                                          # optional, see below
+      "measurement": {...}                                      # optional, free-form, not read
     }
 
 Widths are positive integers (as JSON keys, strings), costs non-negative milliseconds. A width
@@ -163,7 +164,7 @@ def parse_cost_table(data: Any) -> CostTable:
         raise ValueError(f"cost table: 'device' must be a non-empty string, got {device!r}")
     if "target" not in data:
         raise ValueError("cost table: 'target' is missing (ms per target pass by tokens fed, e.g. {\"1\": 15.5})")
-    known = {"device", "source", "target", *DRAFT_KINDS, "prefill_ms_per_token", "step_ms"}
+    known = {"device", "source", "target", *DRAFT_KINDS, "prefill_ms_per_token", "step_ms", "measurement"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"cost table: unknown field(s) {unknown}; known: {sorted(known)}")

@@ -45,6 +45,9 @@ COMMANDS: dict[str, Command] = {
         "specdecode.commands.calibrate_early_exit",
         "add_calibrate_parser",
     ),
+    "cost-table": Command(
+        "measure pass costs here, to predict speedups", "specdecode.commands.cost_table", "add_cost_table_parser"
+    ),
     "doctor": Command(
         "machine, llama.cpp build, the backend auto picks", "specdecode.commands.doctor", "add_doctor_parser"
     ),

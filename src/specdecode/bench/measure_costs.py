@@ -1,0 +1,251 @@
+"""Measure a pass-cost table on this machine (``specdecode cost-table``): the JSON that
+:mod:`specdecode.bench.cost_table` reads to price recorded passes.
+
+What is measured, for the loaded target (and draft), through the runners decoding uses
+(:func:`specdecode.models.backends.make_runner`: llama.cpp's context, torch's eager runner, or its
+static KV cache and CUDA graphs):
+
+- ``target``: milliseconds of one verification pass of W tokens (every row scored, as the engine
+  scores a draft's), after ``depth`` tokens cached, for each W of ``widths``;
+- ``draft``: milliseconds of one draft-model pass of W tokens (the last row scored, as a drafting
+  step or the catch-up of accepted tokens does), same context, for each W of ``draft_widths``;
+- ``prefill_ms_per_token``: a fresh sequence's first pass over ``prefill`` tokens, per token;
+- ``step_ms``: the host's work per decoding step outside the passes. The target alone decodes
+  ``step_tokens`` greedy tokens after a ``prefill``-token prompt (end of sequence ignored) through
+  :class:`~specdecode.SpeculativeGenerator`; its wall time minus its passes' price on the curves
+  just measured, over its steps (the passes after the prefill). The smaller of two runs after a
+  warm-up; never below 0.
+
+Token ids are random (a pass costs the same whatever the tokens); each timed pass is one median of
+``reps`` after ``warmups`` untimed ones, the device synchronized around each, the runner truncated
+back to ``depth`` after it. A pass through llama.cpp in exact mode is timed as exact mode runs it
+(split into batch-invariant chunks), which is what a recorded pass of that width costs unless the
+verifier stopped it early at a mismatch: an exact-mode table is an upper bound on those passes.
+The same procedure, on random weights of the default models' shapes, made the shipped H100 tables
+(``scripts/gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import date
+from typing import Any
+
+import torch
+
+DEFAULT_WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+"""Target pass widths: one token, the verification widths of k = 1, 2, 4, 8, and trees of 16 and 32 nodes."""
+DEFAULT_DRAFT_WIDTHS = (1, 2, 3, 5, 9)
+"""Draft pass widths: a drafting step, and catching up after 1-8 accepted tokens."""
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """How :func:`measure_cost_table` measures (the module docstring says what each figure is).
+
+    Attributes:
+        widths: target pass widths (tokens), each >= 1.
+        draft_widths: draft pass widths (tokens), each >= 1.
+        depth: tokens cached before each timed pass (>= 0).
+        prefill: tokens of the prefill pass and of the step fit's prompt (>= 1).
+        reps: timed passes per width, their median kept (>= 1).
+        warmups: untimed passes first (>= 0; a CUDA graph is captured in the first).
+        step_tokens: new tokens of each run of the step fit (>= 2), or 0 to skip it (no ``step_ms``).
+        seed: of the random token ids.
+
+    Raises:
+        ValueError: a field out of its range (the message names it).
+    """
+
+    widths: tuple[int, ...] = DEFAULT_WIDTHS
+    draft_widths: tuple[int, ...] = DEFAULT_DRAFT_WIDTHS
+    depth: int = 400
+    prefill: int = 256
+    reps: int = 10
+    warmups: int = 2
+    step_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("widths", "draft_widths"):
+            value = getattr(self, name)
+            if not value or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in value):
+                raise ValueError(f"{name} must be one or more integers >= 1, got {value!r}")
+            object.__setattr__(self, name, tuple(sorted(set(value))))
+        for name, low in (("depth", 0), ("prefill", 1), ("reps", 1), ("warmups", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(self.step_tokens, bool) or not isinstance(self.step_tokens, int) or self.step_tokens == 1:
+            raise ValueError(f"step_tokens must be 0 (no step fit) or an integer >= 2, got {self.step_tokens!r}")
+        if self.step_tokens < 0:
+            raise ValueError(f"step_tokens must be 0 (no step fit) or an integer >= 2, got {self.step_tokens!r}")
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (CUDA, MPS; nothing on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def vocabulary_size(model: Any) -> int:
+    """Rows of the model's token embedding: a llama.cpp model's ``vocab_size``, a ``transformers``
+    model's ``config.vocab_size``."""
+    size = getattr(model, "vocab_size", None)
+    if size is None:
+        size = model.config.vocab_size
+    return int(size)
+
+
+def time_pass(runner: Any, ids: torch.Tensor, num_logits: int, depth: int, reps: int, warmups: int,
+              sync: Callable[[], None]) -> float:  # fmt: skip
+    """Median milliseconds of ``runner.forward(ids, num_logits)`` at ``depth`` cached tokens, over
+    ``reps`` passes after ``warmups``; the runner is truncated back to ``depth`` after each."""
+    times = []
+    for i in range(warmups + reps):
+        sync()
+        tic = time.perf_counter()
+        runner.forward(ids, num_logits=num_logits)
+        sync()
+        if i >= warmups:
+            times.append(time.perf_counter() - tic)
+        runner.truncate(depth)
+    return statistics.median(times) * 1000
+
+
+def pass_curve(model: Any, widths: Sequence[int], settings: CostSettings, score_all: bool) -> dict[str, float]:
+    """``{str(W): ms}`` for each W of ``widths`` on a fresh runner of ``model`` (every row scored, a
+    verification pass; else the last, a draft pass), ``settings.depth`` random tokens cached."""
+    from specdecode.models.backends import make_runner
+
+    runner = make_runner(model)
+    vocab = vocabulary_size(model)
+    g = torch.Generator().manual_seed(settings.seed)
+    sync = device_sync(runner.device)
+    runner.prepare_widths(widths)  # CUDA graphs captured now, not inside a timed pass
+    if settings.depth:
+        runner.forward(torch.randint(0, vocab, (settings.depth,), generator=g), num_logits=1)
+    curve = {}
+    for width in widths:
+        ids = torch.randint(0, vocab, (width,), generator=g)
+        ms = time_pass(runner, ids, width if score_all else 1, settings.depth, settings.reps, settings.warmups, sync)
+        curve[str(width)] = round(ms, 4)
+    return curve
+
+
+def prefill_ms_per_token(model: Any, settings: CostSettings) -> float:
+    """Milliseconds per token of a fresh sequence's first pass over ``settings.prefill`` random
+    tokens (the last row scored, as the engine's prefill), median of ``settings.reps``."""
+    from specdecode.models.backends import make_runner
+
+    runner = make_runner(model)
+    g = torch.Generator().manual_seed(settings.seed + 1)
+    ids = torch.randint(0, vocabulary_size(model), (settings.prefill,), generator=g)
+    ms = time_pass(runner, ids, 1, 0, settings.reps, settings.warmups, device_sync(runner.device))
+    return ms / settings.prefill
+
+
+def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> dict[str, Any]:
+    """The host's work per step (module docstring): ``{"step_ms": ms, "runs": [...]}``, each run's
+    wall seconds, passes' price and steps."""
+    from specdecode import SamplingParams, SpeculativeGenerator
+    from specdecode.bench.cost_table import parse_cost_table, price
+
+    priced = parse_cost_table(table)
+    generator = SpeculativeGenerator(model)
+    generator.eos_token_ids = frozenset()  # decode every token asked for
+    sync = device_sync(generator.target.device)
+    g = torch.Generator().manual_seed(settings.seed + 2)
+    prompt = torch.randint(0, vocabulary_size(model), (settings.prefill,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_new_tokens=settings.step_tokens)
+    generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4), speculative=False)  # warm-up
+    runs = []
+    for _ in range(2):
+        sync()
+        tic = time.perf_counter()
+        out = generator.generate(prompt, params, speculative=False)
+        sync()
+        seconds = time.perf_counter() - tic
+        widths = list(out.stats.target_pass_widths)
+        passes_s = price({"passes": {"target": widths, "draft": []}}, priced)
+        runs.append({"seconds": round(seconds, 4), "passes_s": round(passes_s or 0.0, 4), "steps": len(widths) - 1})
+    per_step = [max(0.0, (r["seconds"] - r["passes_s"]) * 1000 / r["steps"]) for r in runs if r["steps"] > 0]
+    return {"step_ms": round(min(per_step), 4) if per_step else 0.0, "runs": runs}
+
+
+def describe(model: Any) -> str:
+    """Where passes of ``model`` run, for a table's ``device``: the processor or GPU, the backend,
+    the weights and the runner's mode."""
+    from specdecode.models.backends import backend_of, make_runner
+
+    runner = make_runner(model)
+    device = runner.device
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        from specdecode.models.llamacpp.build import cpu_info
+
+        where = f"{cpu_info().get('model') or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if backend_of(model) == "llamacpp":
+        options = model.options
+        on = "its GPU" if getattr(model, "on_gpu", False) else f"the CPU, {options.n_threads} threads"
+        mode = "exact mode (batch-invariant chunks)" if options.exact else "fast mode"
+        return f"{where}, llama.cpp on {on}, {runner.dtype}, {mode}"
+    kind = type(runner).__name__
+    mode = "static KV cache and CUDA graphs" if kind == "StaticCacheRunner" else "eager"
+    return f"{where}, torch {torch.__version__} on {device}, {runner.dtype}, {mode}"
+
+
+def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSettings | None = None,
+                       command: str = "") -> dict[str, Any]:  # fmt: skip
+    """A cost table (:mod:`specdecode.bench.cost_table`'s JSON) measured on this machine.
+
+    Args:
+        target: the loaded target (a llama.cpp model or a ``transformers`` model, as
+            :func:`specdecode.load.load_models` gives it).
+        draft: the loaded draft model, or None (no ``draft`` curve: a draft model's passes are then
+            priced at nothing, and marked so).
+        settings: :class:`CostSettings` (the defaults: widths 1-33, 400 cached, 10 repeats).
+        command: the command line, kept in ``source``.
+
+    Returns:
+        ``{"device", "source", "target", "draft"?, "prefill_ms_per_token", "step_ms"?}``, which
+        :func:`~specdecode.bench.cost_table.parse_cost_table` accepts, plus ``"measurement"``
+        (settings and the step fit's runs) for the record; write it with ``json.dump``.
+
+    Raises:
+        ValueError: a runner cannot hold ``depth`` + the widest pass, or ``prefill`` + ``step_tokens``
+            (the runner's message names its context).
+    """
+    import specdecode
+
+    settings = settings or CostSettings()
+    table: dict[str, Any] = {"device": describe(target)}
+    table["source"] = (
+        f"Measured {date.today().isoformat()} by specdecode {specdecode.__version__} cost-table"
+        + (f" (`{command}`)" if command else "")
+        + f": median of {settings.reps} passes after {settings.warmups} warm-ups, {settings.depth} tokens cached, "
+        f"random token ids; prefill over {settings.prefill} tokens"
+        + (f"; step_ms from the target alone's {settings.step_tokens} tokens" if settings.step_tokens else "")
+        + "."
+    )
+    table["target"] = pass_curve(target, settings.widths, settings, score_all=True)
+    if draft is not None:
+        table["draft"] = pass_curve(draft, settings.draft_widths, settings, score_all=False)
+    table["prefill_ms_per_token"] = round(prefill_ms_per_token(target, settings), 5)
+    measurement: dict[str, Any] = {"settings": {k: list(v) if isinstance(v, tuple) else v
+                                                for k, v in settings.__dict__.items()}}  # fmt: skip
+    if settings.step_tokens:
+        fit = fit_step_ms(target, table, settings)
+        table["step_ms"] = fit["step_ms"]
+        measurement["step_runs"] = fit["runs"]
+    table["measurement"] = measurement
+    return table

@@ -1,0 +1,134 @@
+"""``specdecode cost-table``: a pass-cost table measured here (specdecode.bench.measure_costs), in the
+format ``bench --cost-table`` reads back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.bench import measure_costs
+from specdecode.bench.cost_table import load_cost_table, parse_cost_table
+from specdecode.bench.measure_costs import CostSettings, measure_cost_table, pass_curve
+from specdecode.commands.main import main
+
+from conftest import make_tiny_model
+
+SMALL = dict(widths=(1, 3), draft_widths=(1, 2), depth=8, prefill=6, reps=2, warmups=1, step_tokens=5)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"widths": ()}, "widths"),
+        ({"widths": (0, 1)}, "widths"),
+        ({"draft_widths": (1.5,)}, "draft_widths"),
+        ({"depth": -1}, "depth"),
+        ({"prefill": 0}, "prefill"),
+        ({"reps": 0}, "reps"),
+        ({"warmups": -1}, "warmups"),
+        ({"step_tokens": 1}, "step_tokens"),
+        ({"step_tokens": -4}, "step_tokens"),
+    ],
+)
+def test_settings_name_the_bad_field(change: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        CostSettings(**{**SMALL, **change})
+
+
+def test_widths_are_sorted_and_unique() -> None:
+    assert CostSettings(widths=(9, 1, 3, 1)).widths == (1, 3, 9)
+
+
+class RecordingRunner:
+    """A runner that records what it is asked: (tokens fed, rows scored, length before)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.calls: list[tuple[int, int, int]] = []
+        self.truncations: list[int] = []
+        self.prepared: list[int] = []
+        self.device = torch.device("cpu")
+
+    def prepare_widths(self, widths) -> None:  # noqa: ANN001
+        self.prepared = list(widths)
+
+    def forward(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        self.calls.append((int(ids.shape[0]), num_logits, self.length))
+        self.length += int(ids.shape[0])
+        return torch.zeros(num_logits, 10)
+
+    def truncate(self, length: int) -> None:
+        self.truncations.append(length)
+        self.length = length
+
+
+@pytest.mark.parametrize("score_all", [True, False])
+def test_each_width_is_timed_at_depth_with_the_rows_decoding_scores(monkeypatch, score_all: bool) -> None:
+    """Verification passes score every row, draft passes the last; every timed pass starts at
+    ``depth`` cached tokens (truncated back after it); widths are captured before timing."""
+    runner = RecordingRunner()
+    monkeypatch.setattr("specdecode.models.backends.make_runner", lambda model: runner)
+    settings = CostSettings(**SMALL)
+    model = make_tiny_model()
+    curve = pass_curve(model, (1, 3), settings, score_all=score_all)
+    assert list(curve) == ["1", "3"] and all(ms >= 0 for ms in curve.values())
+    assert runner.prepared == [1, 3]
+    assert runner.calls[0] == (8, 1, 0)  # the cached context first
+    timed = runner.calls[1:]
+    per_width = settings.warmups + settings.reps
+    assert len(timed) == 2 * per_width
+    for i, (fed, scored, before) in enumerate(timed):
+        width = 1 if i < per_width else 3
+        assert (fed, before) == (width, 8)
+        assert scored == (width if score_all else 1)
+    assert runner.truncations == [8] * len(timed)
+
+
+def test_a_table_of_tiny_models_reads_back_and_prices(tmp_path) -> None:
+    target, draft = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    table = measure_cost_table(target, draft, CostSettings(**SMALL), command="specdecode cost-table --out x")
+    parsed = parse_cost_table(table)
+    assert set(table) == {"device", "source", "target", "draft", "prefill_ms_per_token", "step_ms", "measurement"}
+    assert list(table["target"]) == ["1", "3"] and list(table["draft"]) == ["1", "2"]
+    assert parsed.target(1) > 0 and parsed.draft is not None and parsed.draft(2) > 0
+    assert "torch" in table["device"] and "eager" in table["device"]
+    assert "specdecode cost-table --out x" in table["source"]
+    assert table["prefill_ms_per_token"] > 0 and table["step_ms"] >= 0
+    runs = table["measurement"]["step_runs"]
+    assert len(runs) == 2 and all(r["steps"] == SMALL["step_tokens"] - 1 for r in runs)  # the prefill gives one
+    assert table["step_ms"] == pytest.approx(
+        max(0.0, min((r["seconds"] - r["passes_s"]) * 1000 / r["steps"] for r in runs)), abs=0.01
+    )
+    assert measure_cost_table(target, None, CostSettings(**{**SMALL, "step_tokens": 0})).keys() == {
+        "device", "source", "target", "prefill_ms_per_token", "measurement"}  # fmt: skip
+
+
+def test_the_command_writes_a_table_bench_reads(model_dirs, tmp_path, capsys) -> None:
+    target_dir, draft_dir = model_dirs
+    out = tmp_path / "tables" / "here.json"
+    argv = ["cost-table", "--target", str(target_dir), "--draft", str(draft_dir), "--backend", "torch",
+            "--device", "cpu", "--dtype", "float32", "--out", str(out), "--widths", "1,2", "--draft-widths", "1",
+            "--depth", "4", "--prefill", "4", "--reps", "1", "--step-tokens", "3"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "## Pass costs on" in printed and f"--cost-table {out}" in printed
+    table = load_cost_table(out)
+    assert table.target.widths == (1, 2) and table.draft is not None and table.draft.widths == (1,)
+    assert table.step_ms is not None and table.step_ms >= 0
+    assert json.loads(out.read_text())["measurement"]["settings"]["reps"] == 1
+
+
+def test_the_command_refuses_bad_input_before_loading(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["cost-table", "--out", str(tmp_path / "t.json"), "--widths", "1,x"])
+    assert exit_.value.code == 2 and "--widths" in capsys.readouterr().err
+    assert main(["cost-table", "--out", str(tmp_path), "--backend", "torch"]) == 2  # a folder
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["cost-table", "--out", str(tmp_path / "t.json"), "--reps", "0"]) == 2
+    assert "reps must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_device_sync_waits_only_on_accelerators() -> None:
+    assert measure_costs.device_sync(torch.device("cpu"))() is None
