@@ -39,6 +39,8 @@ PROMPT = "Write a Python function that adds two numbers."  # what the tour's "..
 BUDGETS = {  # appended per subcommand: small enough for a test, still a real run of every part
     "generate": ["--max-new-tokens", "8"],
     "bench": ["--categories", "qa", "--max-new-tokens", "8", "--no-progress"],
+    "cost-table": ["--widths", "1,3", "--draft-widths", "1", "--depth", "16", "--prefill", "16", "--reps", "1",
+                   "--step-tokens", "4"],
 }
 # the server's start-up measures the cost model of adaptive speculation for batches up to
 # --max-batch-size (8: minutes on 2 busy cores); one row measures the same code in seconds
@@ -83,7 +85,8 @@ COMMANDS = tour_commands()
 
 def test_the_tour_has_commands_and_snippets() -> None:
     """The extraction finds what the tour shows (a guard against a heading or fence renamed)."""
-    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "bench", "serve", "doctor") for argv in COMMANDS)
+    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "bench", "serve", "doctor", "cost-table")
+                                      for argv in COMMANDS)  # fmt: skip
     assert any("--compare" in argv for argv in COMMANDS)
     assert len(code_blocks("python")) == 2
 
@@ -127,6 +130,12 @@ def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
         lines = done.stdout.strip().splitlines()
         assert lines[-2].startswith("--backend auto: llamacpp"), done.stdout
         assert lines[-1].startswith("--device auto (torch): "), done.stdout
+    elif argv[0] == "cost-table":  # a table bench --cost-table reads back, of both models
+        from specdecode.bench.cost_table import load_cost_table
+
+        table = load_cost_table(tmp_path / argv[argv.index("--out") + 1])
+        assert table.target.widths == (1, 3) and table.draft is not None and table.step_ms is not None
+        assert "llama.cpp" in table.device and f"--cost-table {argv[argv.index('--out') + 1]}" in done.stdout
     else:
         assert done.stdout.strip(), "no output"
 
