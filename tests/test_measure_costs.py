@@ -132,3 +132,44 @@ def test_the_command_refuses_bad_input_before_loading(tmp_path, capsys) -> None:
 
 def test_device_sync_waits_only_on_accelerators() -> None:
     assert measure_costs.device_sync(torch.device("cpu"))() is None
+
+
+# ----------------------------------------------------------------------------- random weights
+def test_the_default_pairs_architecture_ships_with_the_package() -> None:
+    from specdecode.models.torch.hf_loading import model_config
+
+    target, draft = model_config(None, "target"), model_config(None, "draft")
+    assert (target.hidden_size, target.num_hidden_layers, target.vocab_size) == (1536, 28, 151936)
+    assert (draft.hidden_size, draft.num_hidden_layers, draft.vocab_size) == (896, 24, 151936)
+
+
+def test_random_weights_keep_a_folders_architecture_not_its_weights(model_dirs, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.errors import ModelNotFoundError
+    from specdecode.models.torch.hf_loading import random_model
+
+    target_dir, _ = model_dirs
+    saved = AutoModelForCausalLM.from_pretrained(target_dir)
+    built = random_model(target_dir, "target", dtype="float32", seed=3)
+    assert built.config.to_dict()["hidden_size"] == saved.config.hidden_size
+    assert [p.shape for p in built.parameters()] == [p.shape for p in saved.parameters()]
+    assert not torch.equal(built.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    again = random_model(target_dir, "target", dtype="float32", seed=3)
+    assert torch.equal(built.model.embed_tokens.weight, again.model.embed_tokens.weight)  # seeded
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="--draft: random weights need a Hugging Face folder"):
+        random_model(tmp_path / "m.gguf", "draft")
+
+
+def test_the_command_measures_random_weights_on_torch_only(model_dirs, tmp_path, capsys) -> None:
+    target_dir, draft_dir = model_dirs
+    out = tmp_path / "random.json"
+    small = ["--widths", "1,2", "--draft-widths", "1", "--depth", "4", "--prefill", "4", "--reps", "1",
+             "--step-tokens", "3", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
+    assert main(["cost-table", "--random-weights", "--target", str(target_dir), "--draft", str(draft_dir),
+                 "--out", str(out), *small]) == 0  # fmt: skip
+    table = load_cost_table(out)
+    assert "random weights" in table.source and table.draft is not None and "torch" in table.device
+    assert main(["cost-table", "--random-weights", "--backend", "llamacpp", "--out", str(out), *small]) == 2
+    assert "--random-weights runs on torch" in capsys.readouterr().err

@@ -205,7 +205,7 @@ def describe(model: Any) -> str:
 
 
 def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSettings | None = None,
-                       command: str = "") -> dict[str, Any]:  # fmt: skip
+                       command: str = "", note: str = "") -> dict[str, Any]:  # fmt: skip
     """A cost table (:mod:`specdecode.bench.cost_table`'s JSON) measured on this machine.
 
     Args:
@@ -215,6 +215,7 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
             priced at nothing, and marked so).
         settings: :class:`CostSettings` (the defaults: widths 1-33, 400 cached, 10 repeats).
         command: the command line, kept in ``source``.
+        note: more to say in ``source`` (``"random weights of ..."``).
 
     Returns:
         ``{"device", "source", "target", "draft"?, "prefill_ms_per_token", "step_ms"?}``, which
@@ -235,6 +236,7 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
         + f": median of {settings.reps} passes after {settings.warmups} warm-ups, {settings.depth} tokens cached, "
         f"random token ids; prefill over {settings.prefill} tokens"
         + (f"; step_ms from the target alone's {settings.step_tokens} tokens" if settings.step_tokens else "")
+        + (f"; {note}" if note else "")
         + "."
     )
     table["target"] = pass_curve(target, settings.widths, settings, score_all=True)

@@ -46,6 +46,12 @@ def add_cost_table_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_model_args(c)
     add_backend_args(c)
     c.add_argument("--no-draft", action="store_true", help="measure the target only (no 'draft' curve)")
+    c.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="torch: models of the same architecture with random weights (a folder's config.json, or the default "
+        "pair's, shipped): the same pass costs, without the weights on this machine",
+    )
     c.add_argument("--out", required=True, metavar="FILE", help="where to write the table (JSON)")
     c.add_argument(
         "--widths",
@@ -98,14 +104,19 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give a file such as {out / 'cost-table.json'}")
     options = backend_options(args)
-    plan = plan_bench_models(
-        args.target, args.draft, options["backend"], args.dtype, options["threads"], options["exact"],
-        need_draft=not args.no_draft, device=args.device, cuda_graphs=args.cuda_graphs,
-    )  # fmt: skip
-    loaded = load_models(plan)
+    if args.random_weights:
+        target, draft, backend = _random_models(args)
+    else:
+        plan = plan_bench_models(
+            args.target, args.draft, options["backend"], args.dtype, options["threads"], options["exact"],
+            need_draft=not args.no_draft, device=args.device, cuda_graphs=args.cuda_graphs,
+        )  # fmt: skip
+        loaded = load_models(plan)
+        target, draft, backend = loaded.target, loaded.draft, plan.backend
     command = "specdecode " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["cost-table"] else ""
-    print(f"cost-table: measuring {plan.backend} passes (this takes a minute or more)", file=sys.stderr)
-    table = measure_cost_table(loaded.target, loaded.draft, settings, command=command)
+    print(f"cost-table: measuring {backend} passes (this takes a minute or more)", file=sys.stderr)
+    note = "random weights of the models' architectures" if args.random_weights else ""
+    table = measure_cost_table(target, draft, settings, command=command, note=note)
     parse_cost_table(table)  # what bench --cost-table will read back
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
@@ -120,3 +131,19 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
     print(f"\nWrote {out}. Price a bench run's recorded passes with it:\n"
           f"  specdecode bench --report RESULTS.json --cost-table {out}")  # fmt: skip
     return 0
+
+
+def _random_models(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """``--random-weights``: (target, draft or None, "torch"), built on ``--device`` in ``--dtype``.
+
+    Raises:
+        ValueError: ``--backend llamacpp`` (llama.cpp times a GGUF file as it is).
+    """
+    from specdecode.models.torch.hf_loading import random_model
+
+    if args.backend == "llamacpp":
+        raise ValueError("--random-weights runs on torch (--backend torch or auto); llama.cpp times the GGUF given")
+    place = {"dtype": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs}
+    target = random_model(args.target, "target", **place)
+    draft = None if args.no_draft else random_model(args.draft, "draft", seed=1, **place)
+    return target, draft, "torch"

@@ -1,5 +1,6 @@
 """Load Hugging Face models (the torch backend) from a local HF folder, a ``.gguf`` file (converted
-once to a cached folder) or the default pair."""
+once to a cached folder) or the default pair; or build one of the same architecture with random
+weights (:func:`random_model`: pass costs measured where the weights cannot be)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure
 from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
 from specdecode.models.torch.placement import place_model, resolve_device
 
+ARCHITECTURES = Path(__file__).resolve().parents[2] / "data" / "architectures"
+"""The default pair's ``config.json`` files (``<name>.json``), for :func:`random_model` without the weights."""
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype accepts
 
@@ -101,6 +104,12 @@ def load_model(
     torch_dtype = parse_dtype(dtype, place)
     gc.collect()  # dropped models caught in reference cycles give their memory back before the next load
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
+    return _ready(model, place, torch_dtype, onednn, prepack_now, cuda_graphs)
+
+
+def _ready(model: PreTrainedModel, place: torch.device, torch_dtype: torch.dtype, onednn: bool, prepack_now: bool,
+           cuda_graphs: bool) -> PreTrainedModel:  # fmt: skip
+    """A built model made ready as :func:`load_model` describes: placed, or on the CPU routed through oneDNN."""
     if place.type != "cpu":
         return place_model(model.eval(), place, cuda_graphs)  # type: ignore[return-value]
     if onednn and torch_dtype == torch.float32:
@@ -108,6 +117,57 @@ def load_model(
         if prepack_now:
             prepack(model)
     return model.eval()
+
+
+def model_config(spec: str | Path | None, role: str) -> Any:
+    """The ``transformers`` configuration of a model, reading no weights: a Hugging Face folder's
+    ``config.json``, or for ``spec`` None the default ``role`` model's (:data:`ARCHITECTURES`,
+    shipped: the default pair need not be installed).
+
+    Raises:
+        ModelNotFoundError: ``spec`` is not a folder with a ``config.json`` (a ``.gguf`` file or a
+            packaged name: its architecture is not known without its weights).
+    """
+    from transformers import AutoConfig
+
+    from specdecode.models.default import DEFAULT_MODELS
+
+    if spec is None:
+        return AutoConfig.from_pretrained(ARCHITECTURES / f"{DEFAULT_MODELS[role].name}.json")
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"--{role}: random weights need a Hugging Face folder with a config.json (or the default "
+            f"model), got {spec}; a .gguf file is measured as it is, on llama.cpp"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def random_model(
+    spec: str | Path | None,
+    role: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    cuda_graphs: bool = True,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A model of ``spec``'s architecture (:func:`model_config`) with random weights (the
+    architecture's own initialization, seeded), made ready as :func:`load_model` makes a loaded
+    one: what a pass of it costs is what a pass of the real model costs, on this device, dtype and
+    runner. Built on ``device`` directly (a GPU never holds a CPU copy).
+
+    Raises:
+        ModelNotFoundError, ValueError: see :func:`model_config`, :func:`parse_dtype` and
+            :func:`~specdecode.models.torch.placement.resolve_device`.
+    """
+    place = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, place)
+    config = model_config(spec, role)
+    gc.collect()
+    torch.manual_seed(seed)
+    with torch.device(place):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return _ready(model, place, torch_dtype, onednn=True, prepack_now=role == "target", cuda_graphs=cuda_graphs)
 
 
 def load_tokenizer(model_dir: Path) -> Any:
