@@ -247,3 +247,30 @@ def test_bench_with_a_cost_table_records_passes_and_predicts(tmp_path, capsys):
     bad.write_text(json.dumps({"device": "x"}))
     assert main([*argv[:-1], str(bad)]) == 2  # refused before any model loads
     assert "'target' is missing" in capsys.readouterr().err
+
+
+def test_a_packaged_run_is_priced_by_name(tmp_path, capsys):
+    """The default pair's recorded passes ship with the package: ``--report NAME`` prices them
+    without the repository or any model; a gzipped results file reads too; an unknown name lists
+    the packaged runs."""
+    import gzip
+
+    from specdecode.bench.report import PACKAGED_RESULTS, load_results
+
+    name = "default-pair-coding-humaneval"
+    results = load_results(name)
+    assert {r["group"] for r in results["records"]} == {"coding", "humaneval"}
+    assert all(r["passes"]["target"] for r in results["records"])
+    assert {"target", "prompt_lookup", "draft_model", "eagle", "medusa"} <= set(results["methods"])
+    copy = tmp_path / "copy.json.gz"
+    copy.write_bytes((PACKAGED_RESULTS / f"{name}.json.gz").read_bytes())
+    assert load_results(copy)["methods"] == results["methods"]
+    (tmp_path / "plain.json").write_bytes(gzip.decompress(copy.read_bytes()))
+    assert load_results(tmp_path / "plain.json")["methods"] == results["methods"]
+    with pytest.raises(FileNotFoundError, match=f"packaged runs: {name}"):
+        load_results("no-such-run")
+    out = tmp_path / "report"
+    assert main(["bench", "--report", name, "--cost-table", "h100-torch-graphs-bf16", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "## Predicted speedup over `target` on NVIDIA H100" in text and "| prompt_lookup |" in text
+    assert (out / "report.md").is_file()

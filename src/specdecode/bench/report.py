@@ -6,6 +6,7 @@ re-renders without models.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any
 
 from specdecode.bench.metrics import ALL, BASELINE, summarize
 
+PACKAGED_RESULTS = Path(__file__).resolve().parent.parent / "data" / "recorded"
+"""Bench runs that ship with the package (``<name>.json.gz``), for ``--report NAME --cost-table FILE``."""
 SPEEDUP_PNG = "speedup.png"
 ACCEPTANCE_PNG = "acceptance_per_position.png"
 SAMPLED_NOTE = (
@@ -40,13 +43,22 @@ COLUMNS = [  # (metric key, header, format)
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    """Read ``results.json``.
+    """Read ``results.json`` (gzipped where the name ends in ``.gz``), or a run that ships with the
+    package by its name (:data:`PACKAGED_RESULTS`: ``default-pair-coding-humaneval``, the default
+    pair's passes recorded for pricing with ``--cost-table``).
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: neither a file nor a packaged run (the message lists the packaged ones).
         ValueError: not a benchmark results file.
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    file = Path(path)
+    if not file.is_file() and (PACKAGED_RESULTS / f"{path}.json.gz").is_file():
+        file = PACKAGED_RESULTS / f"{path}.json.gz"
+    if not file.is_file():
+        names = ", ".join(sorted(p.name.removesuffix(".json.gz") for p in PACKAGED_RESULTS.glob("*.json.gz")))
+        raise FileNotFoundError(f"--report: no file {path} (packaged runs: {names or 'none'})")
+    raw = file.read_bytes()
+    data = json.loads(gzip.decompress(raw) if file.name.endswith(".gz") else raw.decode("utf-8"))
     if not isinstance(data, dict) or "records" not in data or "methods" not in data:
         raise ValueError(f"{path} is not a specdecode bench results.json (no 'records' / 'methods')")
     return data

@@ -96,7 +96,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     b.add_argument("--quick", action="store_true", help=quick)
     b.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<timestamp>)")
-    b.add_argument("--report", metavar="RESULTS_JSON", help="re-render tables and plots from a saved results.json")
+    b.add_argument(
+        "--report",
+        metavar="RESULTS_JSON",
+        help="re-render tables and plots from a saved results.json (.json.gz too), or a run shipped with the "
+        "package: default-pair-coding-humaneval (the default pair's passes, 11 methods, to price with --cost-table)",
+    )
     b.add_argument(
         "--baseline",
         default="target",
@@ -238,7 +243,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.report:
         results = load_results(args.report)
         check_baseline(args.baseline, list(dict.fromkeys(r["method"] for r in results["records"])), "--baseline")
-        print(render(results, args.out or Path(args.report).parent, args.baseline), end="")
+        packaged = not Path(args.report).is_file()  # a run shipped with the package: its report goes here
+        out = args.out or (Path("bench-results") / args.report if packaged else Path(args.report).parent)
+        print(render(results, out, args.baseline), end="")
         if args.cost_table:
             _print_prediction(results, args.cost_table, args.baseline)
         return 0
