@@ -612,6 +612,41 @@ def stage_heads(result_path: Path, dry: bool) -> None:
     save()
 
 
+def stage_costtable(result_path: Path, dry: bool) -> None:
+    """``specdecode cost-table --random-weights``'s measurement (specdecode.bench.measure_costs), the
+    product's own path, on the default pair's shipped architectures (tiny ones in a dry run): its
+    table, to set beside the torch stage's curves (which this script measures its own way)."""
+    import torch
+
+    from specdecode.bench.measure_costs import CostSettings, measure_cost_table
+    from specdecode.models.torch.hf_loading import random_model
+
+    res: dict[str, Any] = {"errors": {}}
+    write_json(result_path, res)
+    cuda = torch.cuda.is_available() and not dry
+    specs: tuple[Any, Any] = (None, None)
+    settings = CostSettings(reps=5)
+    if dry:  # tiny folders of the dry run's configs: the same code, seconds on a CPU
+        from transformers import Qwen2Config
+
+        specs = tuple(result_path.parent / f"costtable-{role}" for role in ("target", "draft"))  # type: ignore[assignment]
+        for folder, config in zip(specs, (TINY_TARGET_CONFIG, TINY_DRAFT_CONFIG), strict=True):
+            Qwen2Config(**config).save_pretrained(folder)
+        settings = CostSettings(widths=(1, 3), draft_widths=(1, 2), depth=16, prefill=16, reps=2, step_tokens=4)
+    try:
+        t0 = time.perf_counter()
+        device = "cuda" if cuda else "cpu"
+        target = random_model(specs[0], "target", "auto", device)
+        draft = random_model(specs[1], "draft", "auto", device, seed=1)
+        res["build_s"] = round(time.perf_counter() - t0, 1)
+        res["table"] = measure_cost_table(target, draft, settings, note="random weights of the default pair's "
+                                          "architectures (scripts/gpu_check.py stage costtable)")  # fmt: skip
+        res["measure_s"] = round(time.perf_counter() - t0 - res["build_s"], 1)
+    except Exception as error:  # noqa: BLE001
+        res["errors"]["costtable"] = error_text(error)
+    write_json(result_path, res)
+
+
 def stage_compile(result_path: Path, dry: bool, limit: float | None = None) -> None:
     """The target's static-cache runner with ``torch.compile`` (inductor, default mode) before the
     capture, written to ``result_path`` after each measurement: first greedy tok/s of the target
@@ -1373,6 +1408,11 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   f"{hs.get('cache_entries', '?')} entries in the EAGLE head's cache; W tokens):", "",
                   "| drafter | " + " | ".join(f"W={w}" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(w)), 3) for w in ws) + " |" for label, row in head_rows]
+    measured = stages.get("costtable", {}).get("table")
+    if measured:
+        lines.append(f"\nspecdecode cost-table --random-weights there ({measured['device']}): target "
+                     f"`{json.dumps(measured['target'])}`, draft `{json.dumps(measured.get('draft'))}`, prefill "
+                     f"{measured.get('prefill_ms_per_token')} ms/token, step_ms {measured.get('step_ms')}")  # fmt: skip
     for table, fragment in (res.get("cost_table_fragments") or cost_table_fragments(stages)).items():
         if isinstance(fragment, dict):
             lines.append(f"\nCost-table fragment ({table}): `{json.dumps(fragment)}`")
@@ -1493,9 +1533,10 @@ def run(args: argparse.Namespace) -> int:
         env = {**env, "PYTHONPATH": f"{simulate}:{env.get('PYTHONPATH', '')}", "GPU_CHECK_SITE": args.site,
                "GPU_CHECK_MISSING": ",".join(MISSING_THERE), "OMP_NUM_THREADS": "1"}  # 1: a shared box's cores
         log(f"dry run: {', '.join(MISSING_THERE)} importable only from {args.site} (as on the GPU machine)")
-    limits = {"pytest": 60, "torch": 60, "heads": 60, "cli": 150, "llamacpp": 90, "compile": 120, "build": 15} \
+    limits = {"pytest": 60, "torch": 60, "heads": 60, "cli": 150, "llamacpp": 90, "compile": 120, "costtable": 90,
+              "build": 15} \
         if dry else {"pytest": 180, "torch": 240, "heads": 60, "cli": 240, "llamacpp": 120, "compile": 300,
-                     "build": args.budget}
+                     "costtable": 90, "build": args.budget}
     # pytest: 95 s alone on the H100 host, over 120 s on 4 cores beside the llama.cpp build
     build: Child | str | None = None
     split = split_cores(dry) if args.llamacpp else None
@@ -1590,6 +1631,17 @@ def run(args: argparse.Namespace) -> int:
         res["stages"]["compile"] = compile_stage(limit_for(limits["compile"]))
     else:
         res["stages"]["compile"] = {"status": "skipped", "note": "out of time budget"}
+    # e: the product's own measurement (specdecode cost-table --random-weights), with whatever time is left
+    if "costtable" not in args.stages:
+        res["stages"]["costtable"] = {"status": "skipped", "note": "not asked for (--stages)"}
+    elif left() > 45:
+        try:
+            res["stages"]["costtable"] = run_child_stage("costtable", python, env, work, limit_for(limits["costtable"]),
+                                                         ["--cpu-dry-run"] if dry else [])  # fmt: skip
+        except Exception as error:  # noqa: BLE001
+            res["stages"]["costtable"] = {"status": "failed", "errors": {"stage": error_text(error)}}
+    else:
+        res["stages"]["costtable"] = {"status": "skipped", "note": "out of time budget"}
 
     shutil.rmtree(work / "llama-src", ignore_errors=True)  # the logs stay in the work dir
     res["cost_table_fragments"] = cost_table_fragments(res["stages"])
@@ -1733,7 +1785,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--quick", action="store_true",
                        help="torch stage: graphs runners and transformers' generate only (no eager timings)")
     p_run.add_argument("--stages", type=lambda text: set(text.split(",")), default={"pytest", "torch", "heads", "cli"},
-                       help="stages among pytest,torch,heads,cli,compile (default the first four; --llamacpp adds "
+                       help="stages among pytest,torch,heads,cli,compile,costtable (default the first four; "
+                            "costtable runs last with the time left; --llamacpp adds "
                             "llama.cpp, --compile adds compile)")
     p_run.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 360)),
                        help="seconds for everything (default 360)")
@@ -1756,6 +1809,9 @@ def main(argv: list[str] | None = None) -> int:
     p_heads = sub.add_parser("stage-heads", help=argparse.SUPPRESS)
     p_heads.add_argument("result", type=Path)
     p_heads.add_argument("--cpu-dry-run", action="store_true")
+    p_costtable = sub.add_parser("stage-costtable", help=argparse.SUPPRESS)
+    p_costtable.add_argument("result", type=Path)
+    p_costtable.add_argument("--cpu-dry-run", action="store_true")
     p_compile = sub.add_parser("stage-compile", help=argparse.SUPPRESS)
     p_compile.add_argument("result", type=Path)
     p_compile.add_argument("--cpu-dry-run", action="store_true")
@@ -1785,6 +1841,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "stage-heads":
         stage_heads(args.result, args.cpu_dry_run)
+        return 0
+    if args.command == "stage-costtable":
+        stage_costtable(args.result, args.cpu_dry_run)
         return 0
     if args.command == "stage-compile":
         stage_compile(args.result, args.cpu_dry_run, args.limit)
