@@ -161,18 +161,18 @@ def test_the_key_follows_every_ingredient(chat_models, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(cost_cache.os, "cpu_count", lambda: 1024)
         changed["cores"] = key_of(target, draft)
-    with monkeypatch.context() as m:  # the measuring code changed (say, its repeats): a new key by itself
-        from specdecode.serve import cost
+    from specdecode.serve.cost import measure_draft_cost, measure_target_costs
 
-        def measure_target_costs(model, batch_sizes, tokens, context=64, repeats=5):  # noqa: ANN001, ANN202
-            """A changed measurement."""
+    def changed_measurement(model, batch_sizes, tokens, context=64, repeats=5):  # noqa: ANN001, ANN202
+        """A changed measurement (say, its repeats)."""
 
-        m.setattr(cost, "measure_target_costs", measure_target_costs)
-        changed["method"] = key_of(target, draft)
+    changed["method"] = key_of(target, draft, measuring=(measure_target_costs, measure_draft_cost))
+    changed["changed method"] = key_of(target, draft, measuring=(changed_measurement, measure_draft_cost))
+    assert key_of(target, draft, measuring=(measure_target_costs,)) == key_of(
+        target, draft, measuring=(measure_target_costs,))  # fmt: skip
     with monkeypatch.context() as m:  # no source to read (a zipped install): FORMAT alone stands for it
         m.setattr("inspect.getsource", lambda obj: (_ for _ in ()).throw(OSError("no source")))
-        assert cost_cache.method_identity() == "unknown"
-        changed["no source"] = key_of(target, draft)
+        assert cost_cache.method_identity([measure_target_costs]) == "unknown"
     digests = {name: key.digest for name, key in changed.items()}
     assert base.digest not in digests.values(), digests
     assert len(set(digests.values())) == len(digests), digests

@@ -414,3 +414,34 @@ def load_models(plan: LoadPlan) -> LoadedModels:
     if proposer is not None and not plan.server:
         built = _spec(proposer).build(config, target, draft)
     return LoadedModels(target, tokenizer, draft, plan.name, proposer, plan.backend, built, dict(plan.options))
+
+
+def load_random_models(
+    target: str | Path | None,
+    draft: str | Path | None,
+    backend: str = "auto",
+    dtype: Any = "auto",
+    *,
+    need_draft: bool = True,
+    device: str = "auto",
+    cuda_graphs: bool = True,
+) -> tuple[Any, Any]:
+    """The target and (``need_draft``) the draft with random weights of their architectures
+    (:func:`specdecode.models.torch.hf_loading.random_model`: a folder's ``config.json``, or the
+    default pair's shipped one), on torch, placed as :func:`load_models` places loaded ones: what a
+    pass costs without the weights (``specdecode cost-table --random-weights``).
+
+    Raises:
+        ValueError: ``backend`` is ``llamacpp`` (llama.cpp times a GGUF file as it is), or a bad
+            dtype or device.
+        ModelNotFoundError: a model that is not a folder with a ``config.json``.
+    """
+    from specdecode.models.torch.hf_loading import random_model
+
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"--random-weights runs on torch (--backend torch or auto), got --backend {backend}; "
+                         "llama.cpp times the GGUF file given")  # fmt: skip
+    place = {"dtype": dtype, "device": device, "cuda_graphs": cuda_graphs}
+    built_target = random_model(target, "target", **place)
+    built_draft = random_model(draft, "draft", seed=1, **place) if need_draft else None
+    return built_target, built_draft

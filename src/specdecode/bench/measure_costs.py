@@ -27,8 +27,6 @@ The same procedure, on random weights of the default models' shapes, made the sh
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -181,29 +179,6 @@ def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> di
     return {"step_ms": round(min(per_step), 4) if per_step else 0.0, "runs": runs}
 
 
-def describe(model: Any) -> str:
-    """Where passes of ``model`` run, for a table's ``device``: the processor or GPU, the backend,
-    the weights and the runner's mode."""
-    from specdecode.models.backends import backend_of, make_runner
-
-    runner = make_runner(model)
-    device = runner.device
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        from specdecode.models.llamacpp.build import cpu_info
-
-        where = f"{cpu_info().get('model') or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    if backend_of(model) == "llamacpp":
-        options = model.options
-        on = "its GPU" if getattr(model, "on_gpu", False) else f"the CPU, {options.n_threads} threads"
-        mode = "exact mode (batch-invariant chunks)" if options.exact else "fast mode"
-        return f"{where}, llama.cpp on {on}, {runner.dtype}, {mode}"
-    kind = type(runner).__name__
-    mode = "static KV cache and CUDA graphs" if kind == "StaticCacheRunner" else "eager"
-    return f"{where}, torch {torch.__version__} on {device}, {runner.dtype}, {mode}"
-
-
 def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSettings | None = None,
                        command: str = "", note: str = "") -> dict[str, Any]:  # fmt: skip
     """A cost table (:mod:`specdecode.bench.cost_table`'s JSON) measured on this machine.
@@ -229,7 +204,9 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
     import specdecode
 
     settings = settings or CostSettings()
-    table: dict[str, Any] = {"device": describe(target)}
+    from specdecode.models.backends import describe_passes
+
+    table: dict[str, Any] = {"device": describe_passes(target)}
     table["source"] = (
         f"Measured {date.today().isoformat()} by specdecode {specdecode.__version__} cost-table"
         + (f" (`{command}`)" if command else "")

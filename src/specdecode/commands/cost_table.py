@@ -96,7 +96,7 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
     from specdecode.bench.cost_table import parse_cost_table
     from specdecode.bench.measure_costs import CostSettings, measure_cost_table
     from specdecode.commands.common import backend_options
-    from specdecode.load import load_models, plan_bench_models
+    from specdecode.load import load_models, load_random_models, plan_bench_models
 
     settings = CostSettings(widths=args.widths, draft_widths=args.draft_widths, depth=args.depth,
                             prefill=args.prefill, reps=args.reps, step_tokens=args.step_tokens)  # fmt: skip
@@ -105,7 +105,10 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out} is a folder; give a file such as {out / 'cost-table.json'}")
     options = backend_options(args)
     if args.random_weights:
-        target, draft, backend = _random_models(args)
+        target, draft = load_random_models(args.target, args.draft, options["backend"], args.dtype,
+                                           need_draft=not args.no_draft, device=args.device,
+                                           cuda_graphs=args.cuda_graphs)  # fmt: skip
+        backend = "torch"
     else:
         plan = plan_bench_models(
             args.target, args.draft, options["backend"], args.dtype, options["threads"], options["exact"],
@@ -132,18 +135,3 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
           f"  specdecode bench --report RESULTS.json --cost-table {out}")  # fmt: skip
     return 0
 
-
-def _random_models(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """``--random-weights``: (target, draft or None, "torch"), built on ``--device`` in ``--dtype``.
-
-    Raises:
-        ValueError: ``--backend llamacpp`` (llama.cpp times a GGUF file as it is).
-    """
-    from specdecode.models.torch.hf_loading import random_model
-
-    if args.backend == "llamacpp":
-        raise ValueError("--random-weights runs on torch (--backend torch or auto); llama.cpp times the GGUF given")
-    place = {"dtype": args.dtype, "device": args.device, "cuda_graphs": args.cuda_graphs}
-    target = random_model(args.target, "target", **place)
-    draft = None if args.no_draft else random_model(args.draft, "draft", seed=1, **place)
-    return target, draft, "torch"

@@ -258,3 +258,29 @@ def runner_capabilities(model: Any) -> RunnerCapabilities:
     if _is_llamacpp(model):
         return model.capabilities  # its options decide batch_invariant and greedy_hints
     return runner_class(model).capabilities  # type: ignore[attr-defined]
+
+
+def describe_passes(model: Any) -> str:
+    """How passes of a loaded model run, in words, for records (a cost table's ``device``): the
+    processor or GPU, the backend, the weights, and the runner's mode (llama.cpp: where its layers
+    run, threads, exact or fast mode; torch: device, dtype, eager or static KV cache with CUDA graphs)."""
+    import os
+    import platform
+
+    runner = make_runner(model)
+    device = runner.device
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        from specdecode.models.llamacpp.build import cpu_info
+
+        where = f"{cpu_info().get('model') or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    if _is_llamacpp(model):
+        options = model.options
+        on = "its GPU" if model.on_gpu else f"the CPU, {options.n_threads} threads"
+        mode = "exact mode (batch-invariant chunks)" if options.exact else "fast mode"
+        return f"{where}, llama.cpp on {on}, {runner.dtype}, {mode}"
+    from specdecode.models.torch.static_runner import StaticCacheRunner
+
+    mode = "static KV cache and CUDA graphs" if isinstance(runner, StaticCacheRunner) else "eager"
+    return f"{where}, torch {torch.__version__} on {device}, {runner.dtype}, {mode}"

@@ -27,10 +27,10 @@ file in clear too (a file under the key with other ingredients is ignored as cor
 - the machine: CPU model, a hash of its flags, architecture, cores (all and usable), the CUDA
   GPUs torch sees;
 - :data:`FORMAT`, raised whenever the file's layout changes, and a hash of the measuring code
-  (:func:`method_identity`: the source of :func:`~specdecode.serve.cost.measure_target_costs`,
-  :func:`~specdecode.serve.cost.measure_draft_cost` and the scheduler's ``calibrate`` and
-  ``_calibration_grid``), so a change of how it measures (its context, repeats, grid) is a new
-  key without anybody remembering to raise :data:`FORMAT`.
+  (:func:`method_identity` of what the scheduler names: the source of
+  :func:`~specdecode.serve.cost.measure_target_costs`, :func:`~specdecode.serve.cost.measure_draft_cost`
+  and its ``calibrate`` and ``_calibration_grid``), so a change of how it measures (its context,
+  repeats, grid) is a new key without anybody remembering to raise :data:`FORMAT`.
 
 **What is stored is the start-up measurement only.** While serving, the scheduler refines the
 model in place (:meth:`CostModel.observe_target`'s per-batch-size speed factors,
@@ -59,7 +59,7 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,17 +247,14 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def method_identity() -> str:
-    """A hash of the measuring code's source (the module docstring names the functions), or
-    ``"unknown"`` where the source cannot be read (then :data:`FORMAT` alone stands for it)."""
+def method_identity(measuring: Sequence[Callable[..., Any]]) -> str:
+    """A hash of the measuring code's source (``measuring``: the functions and methods that measure;
+    the scheduler names its own), or ``"unknown"`` where the source cannot be read (then
+    :data:`FORMAT` alone stands for it)."""
     import inspect
 
-    from specdecode.serve import cost, scheduler
-
-    parts = (cost.measure_target_costs, cost.measure_draft_cost, scheduler.Scheduler.calibrate,
-             scheduler.Scheduler._calibration_grid)  # fmt: skip
     try:
-        return _digest([inspect.getsource(part) for part in parts])
+        return _digest([inspect.getsource(part) for part in measuring])
     except (OSError, TypeError):
         return "unknown"
 
@@ -271,6 +268,7 @@ def cost_key(
     proposer: str | None,
     proposer_options: Mapping[str, Any],
     k: int,
+    measuring: Sequence[Callable[..., Any]] = (),
 ) -> CostKey:
     """The key of a start-up measurement (module docstring): reads file sizes and mtimes, no weights.
 
@@ -281,12 +279,15 @@ def cost_key(
         proposer: the proposer whose draft cost is measured, or None.
         proposer_options: its options (JSON-ready values; others are written with ``str``).
         k: the tokens it drafts per call in the measurement.
+        measuring: the code that measures (:func:`method_identity`; the scheduler passes
+            ``measure_target_costs``, ``measure_draft_cost`` and its ``calibrate`` and
+            ``_calibration_grid``).
     """
     from specdecode.models.backends import backend_of
 
     ingredients = {
         "format": FORMAT,
-        "method": method_identity(),
+        "method": method_identity(measuring),
         "backend": backend_of(target),
         "versions": _versions(),
         "machine": machine_identity(),

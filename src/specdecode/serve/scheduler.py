@@ -234,6 +234,7 @@ class Scheduler:
                 proposer=self.settings.proposer,
                 proposer_options=self.settings.proposer_options,
                 k=k,
+                measuring=(measure_target_costs, measure_draft_cost, Scheduler.calibrate, Scheduler._calibration_grid),
             )
             cached = None if remeasure else load_cost_model(key, cache_folder)
             if cached is not None:
