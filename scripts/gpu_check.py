@@ -1183,6 +1183,12 @@ def runner_loop(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[s
             logits = runner.forward(torch.tensor([token]))
         return n
 
+    return timed_decodes(decode, prompts, new_tokens)
+
+
+def timed_decodes(decode: Callable[[list[int], int], int], prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """``decode(prompt, n) -> tokens`` once as a warm-up (4 tokens), then timed over every prompt:
+    ``{"tok_s", "new_tokens", "seconds"}``."""
     decode(prompts[0], 4)  # warm-up
     tokens, seconds = 0, 0.0
     for prompt in prompts:
@@ -1212,14 +1218,9 @@ def llama_cpp_python_plain(lib: Any, gguf: Path, prompts: list[list[int]], new_t
                 break
         return count
 
-    decode(prompts[0], 4)  # warm-up
-    tokens, seconds = 0, 0.0
-    for prompt in prompts:
-        t = time.perf_counter()
-        tokens += decode(prompt, new_tokens)
-        seconds += time.perf_counter() - t
+    timed = timed_decodes(decode, prompts, new_tokens)
     llm.close()  # its context and model freed now, not at the next collection
-    return {"tok_s": round(tokens / seconds, 1), "new_tokens": tokens, "seconds": round(seconds, 3)}
+    return timed
 
 
 # --------------------------------------------------------------------------- here: GGUF header
