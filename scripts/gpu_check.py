@@ -1098,15 +1098,8 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                         lib, gguf, prompts, new_tokens, threads)
                 except Exception as error:  # noqa: BLE001
                     res["methods"]["llama_cpp_python_generate"] = {"error": error_text(error)}
-                curve = res["pass_cost_ms"].get(label, {})
                 for name in ("llamacpp_runner_loop", "llama_cpp_python_generate"):
-                    entry = res["methods"][name]
-                    if "seconds" in entry and str(prompt_len) in curve:  # one prefill, then a pass per token
-                        table = parse_cost_table({"device": "measured here", "target": curve})
-                        steps = entry["new_tokens"] - len(prompts)
-                        predicted = (len(prompts) * table.target(prompt_len) + steps * table.target(1)) / 1000
-                        entry.update(predicted_s=round(predicted, 3), decode_steps=steps,
-                                     measured_over_predicted=round(entry["seconds"] / predicted, 3))
+                    price_plain(res["methods"][name], res["pass_cost_ms"].get(label, {}), len(prompts), prompt_len)
                 write_json(result_path, res)
         except Exception as error:  # noqa: BLE001
             res["errors"][label] = error_text(error)
@@ -1121,11 +1114,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
                          res["pass_cost_ms"].setdefault(label, {}), lambda: write_json(result_path, res))
         del runner
         entry = runner_loop(model, make_prompts(vocab, prompt_len, 2), new_tokens)
-        curve = parse_cost_table({"device": "measured here", "target": res["pass_cost_ms"][label]})
-        steps = entry["new_tokens"] - 2
-        predicted = (2 * curve.target(prompt_len) + steps * curve.target(1)) / 1000
-        entry.update(predicted_s=round(predicted, 3), decode_steps=steps,
-                     measured_over_predicted=round(entry["seconds"] / predicted, 3))
+        price_plain(entry, res["pass_cost_ms"][label], 2, prompt_len)
         res["methods"]["llamacpp_runner_loop_flash_off"] = entry
         del model
     except Exception as error:  # noqa: BLE001
@@ -1165,6 +1154,22 @@ def llama_pass_costs(runner: Any, vocab: int, depth: int, ns: tuple[int, ...], r
         x = torch.randint(0, vocab, (n,), generator=g)
         row[str(n)] = pass_ms(runner, x, depth, reps, warmups=1)
         save()
+
+
+def price_plain(entry: dict[str, Any], curve: dict[str, float], prompts: int, prompt_len: int) -> None:
+    """Add to a plain decoding's timed ``entry`` (``seconds``, ``new_tokens``) the price of its passes on
+    ``curve`` (one prefill of ``prompt_len`` per prompt, then one one-token pass per further token):
+    ``predicted_s``, ``decode_steps``, ``measured_over_predicted``. Nothing where the entry failed
+    or the curve lacks the prefill's width."""
+    from specdecode.bench.cost_table import parse_cost_table
+
+    if "seconds" not in entry or str(prompt_len) not in curve:
+        return
+    table = parse_cost_table({"device": "measured here", "target": curve})
+    steps = entry["new_tokens"] - prompts
+    predicted = (prompts * table.target(prompt_len) + steps * table.target(1)) / 1000
+    entry.update(predicted_s=round(predicted, 3), decode_steps=steps,
+                 measured_over_predicted=round(entry["seconds"] / predicted, 3))
 
 
 def runner_loop(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:

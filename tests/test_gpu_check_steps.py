@@ -60,3 +60,14 @@ def test_no_fit_without_a_priced_baseline_and_never_negative(gpu_check):
     faster = {"t": {"seconds": 1.0, "predicted_s": 1.1, "decode_steps": 10}, "m": {"seconds": 1, "predicted_s": 1,
                                                                                     "decode_steps": 5}}  # fmt: skip
     assert gpu_check.fit_step_ms(faster, "t") == 0.0 and faster["m"]["measured_over_predicted_with_steps"] == 1.0
+
+
+def test_a_plain_decoding_is_priced_as_one_prefill_then_one_token_passes(gpu_check):
+    entry = {"seconds": 1.2, "new_tokens": 256}
+    gpu_check.price_plain(entry, {"1": 4.0, "9": 6.0, "256": 40.0}, prompts=2, prompt_len=256)
+    assert entry["decode_steps"] == 254 and entry["predicted_s"] == pytest.approx((2 * 40 + 254 * 4) / 1000, abs=1e-3)
+    assert entry["measured_over_predicted"] == pytest.approx(1.2 / entry["predicted_s"], abs=1e-3)
+    failed, unpriced = {"error": "boom"}, {"seconds": 1.0, "new_tokens": 8}
+    gpu_check.price_plain(failed, {"1": 4.0, "256": 40.0}, 2, 256)
+    gpu_check.price_plain(unpriced, {"1": 4.0}, 2, 256)  # no prefill width measured
+    assert failed == {"error": "boom"} and "predicted_s" not in unpriced

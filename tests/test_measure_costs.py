@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from specdecode.bench import measure_costs
 from specdecode.bench.cost_table import load_cost_table, parse_cost_table
 from specdecode.bench.measure_costs import CostSettings, measure_cost_table, pass_curve
 from specdecode.commands.main import main
@@ -49,7 +48,13 @@ class RecordingRunner:
         self.calls: list[tuple[int, int, int]] = []
         self.truncations: list[int] = []
         self.prepared: list[int] = []
+        self.resets = 0
         self.device = torch.device("cpu")
+        self.vocab_size = 10
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.length = 0
 
     def prepare_widths(self, widths) -> None:  # noqa: ANN001
         self.prepared = list(widths)
@@ -65,16 +70,15 @@ class RecordingRunner:
 
 
 @pytest.mark.parametrize("score_all", [True, False])
-def test_each_width_is_timed_at_depth_with_the_rows_decoding_scores(monkeypatch, score_all: bool) -> None:
+def test_each_width_is_timed_at_depth_with_the_rows_decoding_scores(score_all: bool) -> None:
     """Verification passes score every row, draft passes the last; every timed pass starts at
     ``depth`` cached tokens (truncated back after it); widths are captured before timing."""
     runner = RecordingRunner()
-    monkeypatch.setattr("specdecode.models.backends.make_runner", lambda model: runner)
+    runner.length = 5  # a used runner: reset first
     settings = CostSettings(**SMALL)
-    model = make_tiny_model()
-    curve = pass_curve(model, (1, 3), settings, score_all=score_all)
+    curve = pass_curve(runner, (1, 3), settings, score_all=score_all)
     assert list(curve) == ["1", "3"] and all(ms >= 0 for ms in curve.values())
-    assert runner.prepared == [1, 3]
+    assert runner.prepared == [1, 3] and runner.resets == 1
     assert runner.calls[0] == (8, 1, 0)  # the cached context first
     timed = runner.calls[1:]
     per_width = settings.warmups + settings.reps
@@ -128,10 +132,6 @@ def test_the_command_refuses_bad_input_before_loading(tmp_path, capsys) -> None:
     assert "is a folder" in capsys.readouterr().err
     assert main(["cost-table", "--out", str(tmp_path / "t.json"), "--reps", "0"]) == 2
     assert "reps must be an integer >= 1" in capsys.readouterr().err
-
-
-def test_device_sync_waits_only_on_accelerators() -> None:
-    assert measure_costs.device_sync(torch.device("cpu"))() is None
 
 
 # ----------------------------------------------------------------------------- random weights

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
 from typing import Any
@@ -79,76 +79,53 @@ class CostSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if isinstance(self.step_tokens, bool) or not isinstance(self.step_tokens, int) or self.step_tokens == 1:
-            raise ValueError(f"step_tokens must be 0 (no step fit) or an integer >= 2, got {self.step_tokens!r}")
-        if self.step_tokens < 0:
-            raise ValueError(f"step_tokens must be 0 (no step fit) or an integer >= 2, got {self.step_tokens!r}")
+        step = self.step_tokens
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or step == 1:
+            raise ValueError(f"step_tokens must be 0 (no step fit) or an integer >= 2, got {step!r}")
 
 
-def device_sync(device: torch.device) -> Callable[[], None]:
-    """A function that waits for ``device``'s queued work (CUDA, MPS; nothing on the CPU)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    if device.type == "mps":
-        return torch.mps.synchronize
-    return lambda: None
-
-
-def vocabulary_size(model: Any) -> int:
-    """Rows of the model's token embedding: a llama.cpp model's ``vocab_size``, a ``transformers``
-    model's ``config.vocab_size``."""
-    size = getattr(model, "vocab_size", None)
-    if size is None:
-        size = model.config.vocab_size
-    return int(size)
-
-
-def time_pass(runner: Any, ids: torch.Tensor, num_logits: int, depth: int, reps: int, warmups: int,
-              sync: Callable[[], None]) -> float:  # fmt: skip
+def time_pass(runner: Any, ids: torch.Tensor, num_logits: int, depth: int, reps: int, warmups: int) -> float:
     """Median milliseconds of ``runner.forward(ids, num_logits)`` at ``depth`` cached tokens, over
-    ``reps`` passes after ``warmups``; the runner is truncated back to ``depth`` after each."""
+    ``reps`` passes after ``warmups``, the runner's device synchronized around each; the runner is
+    truncated back to ``depth`` after each."""
+    from specdecode.models.torch.placement import synchronize
+
     times = []
     for i in range(warmups + reps):
-        sync()
+        synchronize(runner.device)
         tic = time.perf_counter()
         runner.forward(ids, num_logits=num_logits)
-        sync()
+        synchronize(runner.device)
         if i >= warmups:
             times.append(time.perf_counter() - tic)
         runner.truncate(depth)
     return statistics.median(times) * 1000
 
 
-def pass_curve(model: Any, widths: Sequence[int], settings: CostSettings, score_all: bool) -> dict[str, float]:
-    """``{str(W): ms}`` for each W of ``widths`` on a fresh runner of ``model`` (every row scored, a
-    verification pass; else the last, a draft pass), ``settings.depth`` random tokens cached."""
-    from specdecode.models.backends import make_runner
-
-    runner = make_runner(model)
-    vocab = vocabulary_size(model)
+def pass_curve(runner: Any, widths: Sequence[int], settings: CostSettings, score_all: bool) -> dict[str, float]:
+    """``{str(W): ms}`` for each W of ``widths`` on ``runner`` (reset first; every row scored, a
+    verification pass, else the last, a draft pass), ``settings.depth`` random tokens cached."""
     g = torch.Generator().manual_seed(settings.seed)
-    sync = device_sync(runner.device)
+    runner.reset()
     runner.prepare_widths(widths)  # CUDA graphs captured now, not inside a timed pass
     if settings.depth:
-        runner.forward(torch.randint(0, vocab, (settings.depth,), generator=g), num_logits=1)
+        runner.forward(torch.randint(0, runner.vocab_size, (settings.depth,), generator=g), num_logits=1)
     curve = {}
     for width in widths:
-        ids = torch.randint(0, vocab, (width,), generator=g)
-        ms = time_pass(runner, ids, width if score_all else 1, settings.depth, settings.reps, settings.warmups, sync)
+        ids = torch.randint(0, runner.vocab_size, (width,), generator=g)
+        ms = time_pass(runner, ids, width if score_all else 1, settings.depth, settings.reps, settings.warmups)
         curve[str(width)] = round(ms, 4)
     return curve
 
 
-def prefill_ms_per_token(model: Any, settings: CostSettings) -> float:
+def prefill_ms_per_token(runner: Any, settings: CostSettings) -> float:
     """Milliseconds per token of a fresh sequence's first pass over ``settings.prefill`` random
-    tokens (the last row scored, as the engine's prefill), median of ``settings.reps``."""
-    from specdecode.models.backends import make_runner
-
-    runner = make_runner(model)
+    tokens on ``runner`` (reset first; the last row scored, as the engine's prefill), median of
+    ``settings.reps``."""
     g = torch.Generator().manual_seed(settings.seed + 1)
-    ids = torch.randint(0, vocabulary_size(model), (settings.prefill,), generator=g)
-    ms = time_pass(runner, ids, 1, 0, settings.reps, settings.warmups, device_sync(runner.device))
-    return ms / settings.prefill
+    runner.reset()
+    ids = torch.randint(0, runner.vocab_size, (settings.prefill,), generator=g)
+    return time_pass(runner, ids, 1, 0, settings.reps, settings.warmups) / settings.prefill
 
 
 def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> dict[str, Any]:
@@ -156,21 +133,21 @@ def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> di
     wall seconds, passes' price and steps."""
     from specdecode import SamplingParams, SpeculativeGenerator
     from specdecode.bench.cost_table import parse_cost_table, price
+    from specdecode.models.torch.placement import synchronize
 
     priced = parse_cost_table(table)
     generator = SpeculativeGenerator(model)
     generator.eos_token_ids = frozenset()  # decode every token asked for
-    sync = device_sync(generator.target.device)
     g = torch.Generator().manual_seed(settings.seed + 2)
-    prompt = torch.randint(0, vocabulary_size(model), (settings.prefill,), generator=g).tolist()
+    prompt = torch.randint(0, generator.target.vocab_size, (settings.prefill,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=settings.step_tokens)
     generator.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4), speculative=False)  # warm-up
     runs = []
     for _ in range(2):
-        sync()
+        synchronize(generator.target.device)
         tic = time.perf_counter()
         out = generator.generate(prompt, params, speculative=False)
-        sync()
+        synchronize(generator.target.device)
         seconds = time.perf_counter() - tic
         widths = list(out.stats.target_pass_widths)
         passes_s = price({"passes": {"target": widths, "draft": []}}, priced)
@@ -202,11 +179,11 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
             (the runner's message names its context).
     """
     import specdecode
+    from specdecode.models.backends import describe_passes, make_runner
 
     settings = settings or CostSettings()
-    from specdecode.models.backends import describe_passes
-
-    table: dict[str, Any] = {"device": describe_passes(target)}
+    runner = make_runner(target)  # one runner (one context or static cache) for the curve and the prefill
+    table: dict[str, Any] = {"device": describe_passes(target, runner)}
     table["source"] = (
         f"Measured {date.today().isoformat()} by specdecode {specdecode.__version__} cost-table"
         + (f" (`{command}`)" if command else "")
@@ -216,10 +193,11 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
         + (f"; {note}" if note else "")
         + "."
     )
-    table["target"] = pass_curve(target, settings.widths, settings, score_all=True)
+    table["target"] = pass_curve(runner, settings.widths, settings, score_all=True)
+    table["prefill_ms_per_token"] = round(prefill_ms_per_token(runner, settings), 5)
+    del runner  # its cache freed before the step fit's generator makes its own
     if draft is not None:
-        table["draft"] = pass_curve(draft, settings.draft_widths, settings, score_all=False)
-    table["prefill_ms_per_token"] = round(prefill_ms_per_token(target, settings), 5)
+        table["draft"] = pass_curve(make_runner(draft), settings.draft_widths, settings, score_all=False)
     measurement: dict[str, Any] = {"settings": {k: list(v) if isinstance(v, tuple) else v
                                                 for k, v in settings.__dict__.items()}}  # fmt: skip
     if settings.step_tokens:

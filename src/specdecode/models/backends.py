@@ -260,14 +260,15 @@ def runner_capabilities(model: Any) -> RunnerCapabilities:
     return runner_class(model).capabilities  # type: ignore[attr-defined]
 
 
-def describe_passes(model: Any) -> str:
+def describe_passes(model: Any, runner: Runner | None = None) -> str:
     """How passes of a loaded model run, in words, for records (a cost table's ``device``): the
     processor or GPU, the backend, the weights, and the runner's mode (llama.cpp: where its layers
-    run, threads, exact or fast mode; torch: device, dtype, eager or static KV cache with CUDA graphs)."""
+    run, threads, exact or fast mode; torch: device, dtype, eager or static KV cache with CUDA
+    graphs). ``runner``: one :func:`make_runner` made of ``model`` already (else one is made)."""
     import os
     import platform
 
-    runner = make_runner(model)
+    runner = runner if runner is not None else make_runner(model)
     device = runner.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)

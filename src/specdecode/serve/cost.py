@@ -341,11 +341,6 @@ def in_own_thread(fn: Callable[[], Any]) -> Any:
     return box.get("value")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def default_batch_grid(max_batch_size: int) -> list[int]:
     """1, 2, 4, ... and ``max_batch_size`` itself."""
     grid, b = [], 1
@@ -377,6 +372,7 @@ def measure_target_costs(
         a :class:`CostModel` without draft costs.
     """
     from specdecode.models.backends import make_batched_runner
+    from specdecode.models.torch.placement import synchronize
 
     batch_sizes, tokens = sorted(set(batch_sizes)), sorted(set(tokens))
     runner = make_batched_runner(model, max(batch_sizes), context + max(tokens))
@@ -393,10 +389,10 @@ def measure_target_costs(
             for j, T in enumerate(tokens):
                 for r in range(B):
                     runner.truncate(r, context)
-                _sync(runner.device)
+                synchronize(runner.device)
                 tic = time.perf_counter()
                 runner.forward(0, [step[:T]] * B, [T] * B)
-                _sync(runner.device)
+                synchronize(runner.device)
                 if sweep > 0:  # sweep 0 warms every shape up
                     table[i][j] = min(table[i][j], time.perf_counter() - tic)
     return CostModel(list(batch_sizes), list(tokens), monotone(table))

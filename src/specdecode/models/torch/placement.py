@@ -60,3 +60,12 @@ def place_model(model: torch.nn.Module, device: torch.device, cuda_graphs: bool 
 
         use_static_cache(model)  # type: ignore[arg-type]
     return model
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA, MPS; nothing on the CPU): around a timed pass, so the
+    time is the pass's, not its launch's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
