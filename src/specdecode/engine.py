@@ -38,6 +38,7 @@ from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
 from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.prediction import encode_prediction, prediction_record, with_prediction
 from specdecode.proposers.vocabulary import check_shared_vocabulary
 from specdecode.sampling import SamplingParams
 from specdecode.schedule import ScheduleConfig, SpeculationSchedule
@@ -116,11 +117,14 @@ class CheckedRequest:
         num_speculative_tokens: k in :data:`~specdecode.limits.K_RANGE`, or None for the proposer's own.
         tree: the compiled tree (:func:`~specdecode.tree.parse_tree`), or None for chains.
         logprobs: N in [0, 20], or None for none.
+        prediction: the expected answer (OpenAI's Predicted Outputs: :mod:`specdecode.proposers.prediction`),
+            a string or token ids, or None.
     """
 
     num_speculative_tokens: int | None = None
     tree: TreeSpec | None = None
     logprobs: int | None = None
+    prediction: str | tuple[int, ...] | None = None
 
 
 def check_request(
@@ -129,23 +133,34 @@ def check_request(
     tree: str | TreeSpec | None = None,
     logprobs: int | None = None,
     names: dict[str, str] | None = None,
+    prediction: str | Sequence[int] | None = None,
 ) -> CheckedRequest:
     """Check a generation's parameters once, before any model is needed (arguments as in
     :meth:`SpeculativeGenerator.generate`; ``prompt`` None: not checked; ``names``: how messages
     name a parameter, e.g. ``{"logprobs": "--logprobs"}``).
 
     Raises:
-        ValueError: an empty string prompt, k outside :data:`~specdecode.limits.K_RANGE`, a bad tree, or
-            ``logprobs`` outside [0, 20] (the message names the parameter).
+        ValueError: an empty string prompt, k outside :data:`~specdecode.limits.K_RANGE`, a bad tree,
+            ``logprobs`` outside [0, 20], or a ``prediction`` that is neither a string nor a list of
+            token ids (the message names the parameter).
     """
     names = names or {}
+    if prediction is not None and not isinstance(prediction, str):
+        if not isinstance(prediction, Sequence) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prediction
+        ):
+            raise ValueError(
+                f"{names.get('prediction', 'prediction')} must be a string or a list of token ids, "
+                f"got {type(prediction).__name__}"
+            )
+        prediction = tuple(prediction)
     if isinstance(prompt, str) and not prompt:
         raise ValueError(f"{names.get('prompt', 'prompt')} must not be empty")
     if num_speculative_tokens is not None:
         check_num_speculative_tokens(num_speculative_tokens)
     spec_tree = parse_tree(tree) if tree is not None else None
     check_num_logprobs(logprobs, names.get("logprobs", "logprobs"))
-    return CheckedRequest(num_speculative_tokens, spec_tree, logprobs)
+    return CheckedRequest(num_speculative_tokens, spec_tree, logprobs, prediction)
 
 
 class SpeculativeGenerator:
@@ -431,6 +446,7 @@ class SpeculativeGenerator:
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> Iterator[tuple[list[int], str, GenerationResult]]:
         """The generation as it happens: per target pass, ``(new token ids, new text, result so far)``.
 
@@ -438,7 +454,7 @@ class SpeculativeGenerator:
         new tokens' log-probabilities are the last ``len(new token ids)`` of its ``logprobs``.
         Arguments as in :meth:`generate`.
         """
-        request = check_request(prompt, num_speculative_tokens, tree, logprobs)
+        request = check_request(prompt, num_speculative_tokens, tree, logprobs, prediction=prediction)
         yield from self.stream_request(prompt, request, sampling, raw, speculative, schedule, constraint)
 
     def stream_request(
@@ -460,14 +476,19 @@ class SpeculativeGenerator:
         """
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt, raw=raw)
         proposer = self.proposer if speculative else None
+        prediction = None
+        if request.prediction is not None:
+            prediction = encode_prediction(request.prediction, self.tokenizer, self.target.vocab_size)
+            if speculative:  # the prediction drafts first, the generator's proposer where it has nothing
+                proposer = with_prediction(proposer, prediction, int(prompt_ids.shape[0]))
         k = request.num_speculative_tokens or default_num_speculative_tokens(proposer)
         plan = SpeculationSchedule(k, schedule)
         tree = request.tree
         spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None
         if spec_tree is not None:
             self.target.capabilities.require("trees", self.target, "tree=")
-        prompt_ids = self.encode_prompt(prompt, raw=raw)
         stats = SpecStats(
             num_speculative_tokens=(spec_tree.depth if spec_tree else plan.max_k) if proposer else 0,
             proposer=proposer.name if proposer else "none",
@@ -476,6 +497,7 @@ class SpeculativeGenerator:
             dtype=self.dtype,
             draft_quantization=draft_quantization(proposer),
             prompt_tokens=int(prompt_ids.shape[0]),
+            prediction=prediction_record(proposer, prediction),
         )
         state = DecodeState(
             prompt_ids,
@@ -515,6 +537,7 @@ class SpeculativeGenerator:
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt``.
 
@@ -549,6 +572,12 @@ class SpeculativeGenerator:
                 masked argmax), with speculation on or off; drafts are cut at a forbidden token and
                 the grammar's forced tokens are drafted for free (:attr:`grammar_aware_drafting`).
                 Needs the target's fast tokenizer. None (default): unconstrained.
+            prediction: the expected answer, a string or token ids (OpenAI's Predicted Outputs,
+                :mod:`specdecode.proposers.prediction`): its tokens are drafted first where the answer
+                follows it (k defaults to 16 then), the generator's proposer drafts where it has nothing.
+                The output is still the target's own (greedy) or distributed as the target's
+                (sampled); ``result.stats.prediction`` says how many predicted tokens were accepted.
+                Ignored with ``speculative=False`` (its record then counts every token rejected).
 
         Returns:
             :class:`GenerationResult`. Two calls with the same seed return the same result.
@@ -559,7 +588,7 @@ class SpeculativeGenerator:
         """
         result = GenerationResult("", [], "length")
         for _, _, result in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint, prediction
         ):
             pass
         return result
@@ -575,10 +604,11 @@ class SpeculativeGenerator:
         tree: str | TreeSpec | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> Iterator[str]:
         """Yield the generated text piece by piece (arguments as in :meth:`generate`)."""
         for _, piece, _ in self.stream_tokens(
-            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint
+            prompt, sampling, num_speculative_tokens, raw, speculative, schedule, tree, logprobs, constraint, prediction
         ):
             if piece:
                 yield piece

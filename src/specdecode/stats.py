@@ -61,6 +61,9 @@ class SpecStats:
             proposer's ``pass_kind``. Not in :meth:`to_dict`.
         accepted_per_step: draft tokens accepted at each verification step, in order; not in
             :meth:`to_dict`.
+        prediction: with a prediction (OpenAI's Predicted Outputs), its
+            :class:`~specdecode.proposers.prediction.PredictionRecord` (tokens of the prediction,
+            accepted and rejected ones); None without one. In :meth:`to_dict` as its fields.
     """
 
     num_speculative_tokens: int = 0
@@ -91,6 +94,7 @@ class SpecStats:
     draft_pass_widths: list[int] = field(default_factory=list)
     draft_pass_kind: str = "draft"
     accepted_per_step: list[int] = field(default_factory=list)
+    prediction: Any = None  # PredictionRecord | None (specdecode.proposers.prediction)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -177,4 +181,5 @@ class SpecStats:
             "forced_draft_tokens": self.forced_draft_tokens,
             "forced_accepted_tokens": self.forced_accepted_tokens,
             "cut_draft_tokens": self.cut_draft_tokens,
+            **(self.prediction.to_dict() if self.prediction is not None else {}),
         }
