@@ -40,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specdecode.proposers.prediction import MAX_PREDICTION_TOKENS, PREDICTION_DEFAULT_K
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.logprob_fields import LogprobsFormat
@@ -271,6 +272,15 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             raise bad_request(f"{field}: this server has no proposer; give one in 'proposer'", field)
         prefix = "chatcmpl-" if endpoint.endswith("chat/completions") else "cmpl-"
         k = settings.k_for(proposer if speculative else None, body.num_speculative_tokens)
+        prediction = None
+        if body.prediction is not None:
+            prediction = encode(body.prediction.text(), add_special_tokens=False)
+            if len(prediction) > MAX_PREDICTION_TOKENS:
+                raise bad_request(
+                    f"prediction: {len(prediction)} tokens; at most {MAX_PREDICTION_TOKENS} are taken", "prediction"
+                )
+            if speculative and body.num_speculative_tokens is None and settings.num_speculative_tokens is None:
+                k = max(k, PREDICTION_DEFAULT_K)  # an edit's answer copies its prediction for long runs
         req = ServeRequest(
             request_id=prefix + uuid.uuid4().hex,
             prompt_ids=prompt_ids,
@@ -295,10 +305,12 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
                 "num_speculative_tokens": k,
                 "speculation_requested": body.speculation,
                 "ignore_eos": bool(body.ignore_eos),
+                "prediction_tokens": None if prediction is None else len(prediction),
             },
             audit_prompt=prompt,
             ignore_eos=bool(body.ignore_eos),
             logprobs=body.num_logprobs(),  # type: ignore[attr-defined]
+            prediction=prediction,
         )
         try:
             admission.admit(req)

@@ -74,6 +74,8 @@ class ServeRequest:
         constraint: structured output (``response_format``, a required tool call): a
             :class:`~specdecode.constraints.JsonSchema` the scheduler turns into the sequence's
             grammar state; None: unconstrained.
+        prediction: the predicted answer's token ids (OpenAI's ``prediction``,
+            :mod:`specdecode.proposers.prediction`), drafted first when the request speculates; None: none.
         admitted_by: the :class:`~specdecode.serve.admission.Admission` that checked it (set by
             :meth:`~specdecode.serve.admission.Admission.admit`), so it is checked once; None: not yet.
     """
@@ -94,6 +96,7 @@ class ServeRequest:
     speculation: str | None = None
     logprobs: int | None = None
     constraint: Any = None
+    prediction: list[int] | None = None
     admitted_by: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -101,10 +104,15 @@ class ServeRequest:
         return self.num_speculative_tokens if self.speculative else 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, prediction: Any = None) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; with a prediction's
+    :class:`~specdecode.proposers.prediction.PredictionRecord`, its ``completion_tokens_details``
+    (``accepted_prediction_tokens``, ``rejected_prediction_tokens``)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if prediction is not None:
+        out["completion_tokens_details"] = prediction.completion_tokens_details()
+    return out

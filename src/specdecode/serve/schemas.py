@@ -16,6 +16,13 @@ Extensions (ignored by OpenAI's own servers, sent by the ``openai`` client throu
 - ``return_token_ids`` (bool): add the prompt's and the completion's token ids to the choice;
 - ``ignore_eos`` (bool): do not stop at end-of-sequence tokens (as in vLLM; for benchmarks).
 
+Predicted Outputs (OpenAI's ``prediction: {"type": "content", "content": str | [text parts]}``), on
+chat and text completions: the predicted text is drafted from where the answer follows it
+(:mod:`specdecode.proposers.prediction`), with the request's proposer drafting elsewhere; ``usage``
+then carries ``completion_tokens_details.accepted_prediction_tokens`` and
+``rejected_prediction_tokens`` as OpenAI's does. Unlike OpenAI's, it works with ``logprobs``,
+structured output, tools and sampling, and the output is still the target's own.
+
 Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0 .. 20), completions
 ``logprobs`` (0 .. 20), from the target's raw distribution (:mod:`specdecode.serve.logprob_fields`).
 
@@ -43,6 +50,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's ``prediction``: ``{"type": "content", "content": "..." | [{"type": "text", "text": ...}]}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        """The predicted text (text parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -65,6 +90,7 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = Field(default=None, ge=MIN_SPECULATIVE_TOKENS, le=MAX_SPECULATIVE_TOKENS)
     return_token_ids: bool | None = False
     ignore_eos: bool | None = False
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     # standard fields that are refused unless left at their neutral values
     logprobs: Any = None
     presence_penalty: float | None = None
@@ -126,12 +152,6 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         """Alternatives per token for ``logprobs: N``; None: off."""
         return completion_num_logprobs(self.logprobs)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
 
 
 class FunctionCall(BaseModel):

@@ -11,6 +11,7 @@ import torch
 
 from specdecode.decode_state import DecodeState
 from specdecode.proposers.base import Proposer
+from specdecode.proposers.prediction import prediction_record, with_prediction
 from specdecode.serve.cost import AcceptanceEstimate
 from specdecode.serve.request import ServeRequest, usage
 from specdecode.stats import SpecStats
@@ -33,10 +34,13 @@ class RunningSequence(DecodeState):
         constraint: Any = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        prediction = torch.tensor(req.prediction, dtype=torch.int64) if req.prediction is not None else None
+        proposer = with_prediction(proposer, prediction, len(req.prompt_ids)) if proposer is not None else proposer
         stats = SpecStats(
             num_speculative_tokens=req.max_k,
             proposer=req.proposer if req.speculative and req.proposer else "none",
             prompt_tokens=len(req.prompt_ids),
+            prediction=prediction_record(proposer, prediction),
         )
         super().__init__(
             req.prompt_ids,
@@ -81,7 +85,7 @@ class RunningSequence(DecodeState):
         now = time.time()
         created = self.req.created
         return {
-            "usage": usage(self.prompt_len, len(self.generated)),
+            "usage": usage(self.prompt_len, len(self.generated), self.stats.prediction),
             "speculative": speculative_summary(self.req, mode, enabled, self.stats, self.proposer_error),
             "timings": {
                 "created": created,
@@ -112,6 +116,8 @@ def speculative_summary(
         "target_forward_passes": stats.target_forward_passes,
         "lossless": True,
     }
+    if stats.prediction is not None:
+        out["prediction"] = stats.prediction.to_dict()
     if proposer_error is not None:
         out["proposer_error"] = proposer_error
     return out
