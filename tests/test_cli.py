@@ -203,3 +203,20 @@ def test_auto_proposer_follows_the_options_given() -> None:
     drafted = resolved("--prompt-lookup-min", "2")
     assert (drafted.proposer, drafted.prompt_lookup_min, drafted.min_ngram) == ("draft_model", 2, None)
     assert resolved("--proposer", "suffix").proposer == "suffix"  # a named proposer stays
+
+
+def test_generate_with_a_prediction_file(model_dirs, capsys, tmp_path) -> None:
+    """``--prediction FILE``: the same tokens as the target alone, the prediction's usage in the
+    statistics; an unreadable file is refused naming the flag."""
+    target, _ = model_dirs
+    common = ("def add(a, b):", "--target", str(target), "--proposer", "prompt_lookup", "--max-new-tokens", "20")
+    plain = run_json(capsys, *common, "--no-speculation")
+    path = tmp_path / "prediction.txt"
+    path.write_text(plain["text"], encoding="utf-8")
+    out = run_json(capsys, *common, "--prediction", str(path))
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["proposer"] == "prediction+prompt_lookup" and out["num_speculative_tokens"] == 16
+    assert out["accepted_prediction_tokens"] > 0
+    assert out["accepted_prediction_tokens"] + out["rejected_prediction_tokens"] == out["prediction_tokens"]
+    assert main(["generate", *common, "--prediction", str(tmp_path / "missing.txt")]) == 2
+    assert "--prediction" in capsys.readouterr().err

@@ -44,6 +44,14 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="with --json: each token's log-probability and the N (0-20) likeliest alternatives, from the "
         "target's raw distribution (before temperature, top-k, top-p)",
     )
+    g.add_argument(
+        "--prediction",
+        default=None,
+        metavar="FILE",
+        help="the expected answer (a text file, '-' for standard input): its tokens are drafted where the "
+        "answer follows it (OpenAI's Predicted Outputs; edits of a file), the proposer drafts elsewhere; "
+        "the output is still the target's own",
+    )
     add_constraint_args(g)
     g.set_defaults(func=cmd_generate)
     return g
@@ -127,6 +135,23 @@ def print_stats(stats: dict[str, Any]) -> None:
     Console(stderr=True).print(table)
 
 
+def read_prediction(path: str | None) -> str | None:
+    """The text of ``--prediction FILE`` (``-``: standard input), or None without the flag.
+
+    Raises:
+        ValueError: the file cannot be read or is not UTF-8 text (the message names ``--prediction``).
+    """
+    if path is None:
+        return None
+    import sys
+    from pathlib import Path
+
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--prediction: cannot read {path!r} as UTF-8 text ({error})") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for one prompt: stream the text (or ``--json``), then the statistics.
 
@@ -138,8 +163,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.load import load_models, plan_models
 
     sampling = sampling_from_args(args)  # validate cheap input before loading anything
-    names = {"prompt": "prompt", "logprobs": "--logprobs"}
-    request = check_request(args.prompt, args.num_speculative_tokens, args.tree, args.logprobs, names)
+    names = {"prompt": "prompt", "logprobs": "--logprobs", "prediction": "--prediction"}
+    prediction = read_prediction(args.prediction)
+    request = check_request(args.prompt, args.num_speculative_tokens, args.tree, args.logprobs, names, prediction)
     if args.logprobs is not None and not args.json:
         raise ValueError("--logprobs needs --json (the log-probabilities are a field of its output)")
     constraint = constraint_from_args(args)  # --json-schema / --regex / --grammar, checked before loading
