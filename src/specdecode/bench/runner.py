@@ -99,7 +99,7 @@ def run_turns(
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         prompt_ids = encode_chat(models.tokenizer, messages)
-        out = variant.run(models, prompt_ids, settings)
+        out = variant.run(models, prompt_ids, settings, prompt.prediction if turn == 0 else None)
         records.append(
             {
                 "question_id": prompt.question_id,

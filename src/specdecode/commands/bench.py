@@ -186,8 +186,8 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "tor
 
 
 def default_methods(target: str | None, backend: str = "torch") -> list[str]:
-    """Every registered method that runs on ``backend`` (the llama.cpp peers only for a GGUF target),
-    less the trained-drafter proposers
+    """Every registered method that runs on ``backend`` (the llama.cpp peers only for a GGUF target)
+    and is :attr:`~specdecode.bench.methods.Method.by_default`, less the trained-drafter proposers
     (``medusa``, ``eagle``) whose drafter for ``target`` has not been trained (``specdecode
     train-drafter``; a note on stderr)."""
     from specdecode.bench.methods import METHODS
@@ -200,7 +200,8 @@ def default_methods(target: str | None, backend: str = "torch") -> list[str]:
     has_gguf = target_gguf(target) is not None  # the llama.cpp peers need the target as a GGUF file
     names = []
     for name in METHODS:
-        if backend not in METHODS[name].backends or (METHODS[name].needs_gguf and not has_gguf):
+        method = METHODS[name]
+        if not method.by_default or backend not in method.backends or (method.needs_gguf and not has_gguf):
             continue
         spec = PROPOSERS.get(name)
         if spec is not None and spec.needs_target_features:
