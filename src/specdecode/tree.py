@@ -208,7 +208,7 @@ def greedy_paths(num_nodes: int, rank_acceptance: list[float], max_depth: int = 
 
 # How often the default draft's (Qwen2.5-Coder-0.5B, bf16) candidate of rank 0, 1, 2, 3 is the default
 # target's greedy token: the 8 calibration prompts (specdecode/data/calibration_prompts.jsonl), 64 tokens
-# each, teacher-forced (`python scripts/rank_acceptance.py`): 0.826, 0.094, 0.033, 0.014 (3.3% beyond).
+# each, teacher-forced (`python lab/scripts/rank_acceptance.py`): 0.826, 0.094, 0.033, 0.014 (3.3% beyond).
 _RANKS = [0.826, 0.094, 0.033, 0.014]
 TREE_SHAPES: dict[str, list[list[int]]] = {
     "chain4": [[0] * d for d in range(1, 5)],

@@ -71,7 +71,7 @@ CUDA_FLAGS = ("-DGGML_CUDA=on", "-DGGML_CUDA_FA=OFF")
 """CUDA on, its flash-attention kernels not compiled (``GGML_CUDA_FA``, llama.cpp's CMake option;
 specdecode runs llama.cpp on a GPU with flash attention off, ``LlamaCppOptions.flash_attn``): a
 shorter build. With :func:`cuda_cmake_args` the only definition of a CUDA build's arguments
-(``scripts/gpu_check.py`` uses it too)."""
+(``lab/gpu/gpu_check.py`` uses it too)."""
 
 CUDA_OPT_OUT = "SPECDECODE_LLAMA_CUDA"
 """``SPECDECODE_LLAMA_CUDA=0`` (or ``false``, ``no``, ``off``): never build the ``cuda`` flavour."""

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
 kernels built without llamafile, by whether the weights are repacked (docs/llamacpp.md,
-``scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
+``lab/scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
 
 GPU_INVARIANT_TOKENS = 9
 """Longest pass measured to give logits bit-identical to one-token passes with every layer on a

@@ -7,7 +7,7 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   AVX-NE-CONVERT: most laptops, AMD Zen 2/3, Intel client chips): torch 2.13 has no blocked bf16
   GEMM there (oneDNN refuses bf16, ``mkldnn_linear: bf16 path needs ...``) and multiplies row by
   row, so a pass over M tokens costs about M one-token passes. Measured on the project's 2-core
-  AMD EPYC (Zen 3, ``scripts/bench_cpu_paths.py``, docs/benchmarks.md): the default target's pass
+  AMD EPYC (Zen 3, ``lab/scripts/bench_cpu_paths.py``, docs/benchmarks.md): the default target's pass
   over 1 / 5 / 9 / 17 tokens takes 226 / 848 / 1,482 / 2,795 ms, and a 300-token prefill 41 s.
   No proposer can win there: verifying 4 drafts costs 3.75 plain steps.
 - **float32 through MKL** (torch's default CPU GEMM): blocked, but slow for few rows on AMD
@@ -21,13 +21,13 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's
   compiler does for frozen CPU linears) instead of reordering the plain weight on every call;
   one-token passes keep the plain weight (the packed one was not faster there). Measured on the
-  same machine (``scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed``): see
+  same machine (``lab/scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed``): see
   docs/benchmarks.md, "Prepacked oneDNN weights". The copy costs the layers' memory a second
   time (about 6 GB for the float32 1.5B target), made on the first multi-token pass.
 
 :func:`auto_dtype` picks bfloat16 where it is native (or on a GPU) and float32 otherwise;
 :func:`specdecode.models.torch.hf_loading.load_model` then routes the float32 model's large linears through
-oneDNN. ``scripts/bench_cpu_paths.py`` measures all three paths on a machine.
+oneDNN. ``lab/scripts/bench_cpu_paths.py`` measures all three paths on a machine.
 """
 
 from __future__ import annotations

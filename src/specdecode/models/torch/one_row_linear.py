@@ -2,7 +2,7 @@
 
 Decoding one token runs every ``nn.Linear`` of the model on a single row, a matrix-vector product.
 On some CPUs PyTorch's one-row bf16 kernel is slower than its two-row matrix product (measured by
-``scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
+``lab/scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
 faster. Row 0 of the two-row product is the same dot products as the one-row product, possibly
 summed in another order, so the result may differ in the last bits, as any change of kernel does.
 """

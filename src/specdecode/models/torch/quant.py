@@ -22,7 +22,7 @@ embedding table stays bfloat16 (looked up into float32: exact). The default draf
 before the table stayed bfloat16), at the same speed within noise and 0.927 / 0.930 argmax
 agreement with the float32 draft (docs/benchmarks.md, "A leaner int8 draft").
 
-Speed on the project's 2-core AVX2 machine (``python scripts/bench_cpu_paths.py --role draft
+Speed on the project's 2-core AVX2 machine (``python lab/scripts/bench_cpu_paths.py --role draft
 --paths float32+onednn,int8 --rounds 3``, docs/benchmarks.md): one pass of the default draft over
 1 / 5 / 9 / 17 tokens costs 101 / 228 / 244 / 346 ms in float32 (oneDNN) and 79 / 115 / 132 /
 170 ms in int8 (prefill of 300 tokens: 2.5 s and 1.4 s). In the bench the draft cost ratio c fell
@@ -135,7 +135,7 @@ def int8_float_dtype(model: torch.nn.Module) -> torch.dtype:
     natively (half float32's bytes, no prepacked float32 copy, the weights as loaded), else float32
     (through oneDNN's few-row path).
 
-    Measured on the default draft, AMD EPYC with AVX512-BF16 (``scripts/bench_cpu_paths.py --role
+    Measured on the default draft, AMD EPYC with AVX512-BF16 (``lab/scripts/bench_cpu_paths.py --role
     draft --paths int8,int8+float32``, interleaved; docs/benchmarks.md, "A leaner int8 draft"):
     passes over 1 / 5 / 9 / 17 tokens within noise of each other (43 / 51 / 65 / 88 ms against
     42 / 47 / 64 / 93 ms), 871 MB against 1,499 MB.

@@ -7,7 +7,7 @@ logits of every row (what verification needs). Both with weights repacked (llama
 fastest) and not (``LlamaCppOptions(repack=False)``), with ``exact=False`` so that raw passes,
 never split, are measured.
 
-    .venv/bin/python scripts/llamacpp_invariance.py [--threads 2] [--sizes 1,2,3,...]
+    .venv/bin/python lab/scripts/llamacpp_invariance.py [--threads 2] [--sizes 1,2,3,...]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with the full model's at the generated positions (the acceptance of draft positi
 chain). Layers are ranked by the agreement lost when each alone is skipped, then skipped cumulatively
 in that order, re-ranking greedily when ``--greedy`` is given.
 
-Usage: python scripts/layer_skip_agreement.py [--prompts 3] [--new-tokens 48] [--max-skip 14] [--greedy]
+Usage: python lab/scripts/layer_skip_agreement.py [--prompts 3] [--new-tokens 48] [--max-skip 14] [--greedy]
 """
 
 from __future__ import annotations

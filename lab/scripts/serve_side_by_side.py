@@ -7,12 +7,12 @@ same ``--requests`` chats at concurrency ``--requests`` (greedy, ``--max-tokens`
 ``ignore_eos``), and prints per server and round: throughput, TPOT p50 and the mean time per decode
 step of each phase from ``/metrics`` (``specdecode_step_phase_seconds``). Two identical servers
 show how much two processes of the same code differ on this machine; that is the noise floor of
-any comparison between servers. Uses the server handling of ``scripts/bench_serve.py``.
+any comparison between servers. Uses the server handling of ``lab/scripts/bench_serve.py``.
 
 Example (what docs/serving.md quotes)::
 
-    python scripts/serve_side_by_side.py --modes off,off
-    python scripts/serve_side_by_side.py --modes off,adaptive
+    python lab/scripts/serve_side_by_side.py --modes off,off
+    python lab/scripts/serve_side_by_side.py --modes off,adaptive
 """
 
 from __future__ import annotations

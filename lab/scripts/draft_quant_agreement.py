@@ -5,7 +5,7 @@ tokens of Python standard-library source (never benchmark prompts) in one pass e
 share of positions where each copy's argmax equals the float32 draft's, with the mean absolute
 logit error. A cheap probe of what a quantization costs in acceptance before a benchmark run.
 
-    python scripts/draft_quant_agreement.py [--tokens 1024] [--variants int8,int8-all]
+    python lab/scripts/draft_quant_agreement.py [--tokens 1024] [--variants int8,int8-all]
 
 ``int8`` is the default int8 copy (``down_proj`` float32), ``int8-all`` quantizes every linear.
 """

@@ -11,7 +11,7 @@ twice and keeping one is faster. This script measures, for the default target an
 3. whether the padded step's logits equal the plain step's (max abs difference, same argmax).
 
 Usage:
-    python scripts/bench_linear_rows.py [--dtype bfloat16] [--reps 50] [--rounds 10] [--steps 16]
+    python lab/scripts/bench_linear_rows.py [--dtype bfloat16] [--reps 50] [--rounds 10] [--steps 16]
 """
 
 from __future__ import annotations

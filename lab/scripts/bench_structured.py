@@ -12,7 +12,7 @@ with its schema), greedy, on the default pair (the llama.cpp backend on a CPU):
 Every output must be identical to the target-only one (greedy, exact) and parse and validate against
 its schema. Usage::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_structured.py [--proposers prompt_lookup,draft_model]
+    HF_HUB_OFFLINE=1 .venv/bin/python lab/scripts/bench_structured.py [--proposers prompt_lookup,draft_model]
         [--max-new-tokens 160] [--json OUT]
 """
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's drafter-heads stage on the CPU: the shipped drafters' configuration, the
+"""lab/gpu/gpu_check.py's drafter-heads stage on the CPU: the shipped drafters' configuration, the
 timings' shape and the cost-table fragment (docs/gpu.md)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "lab" / "gpu" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -16,7 +16,7 @@ and the runs alternate prompt by prompt (the machine's drift over minutes hits a
 Prints tokens/s per mode and method, the ratio to the peer, and how many outputs equal the exact
 mode's plain decoding.
 
-    .venv/bin/python scripts/llamacpp_modes.py --threads 2 --prompts 6 --categories humaneval,coding
+    .venv/bin/python lab/scripts/llamacpp_modes.py --threads 2 --prompts 6 --categories humaneval,coding
 """
 
 from __future__ import annotations

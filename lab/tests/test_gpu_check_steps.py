@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's fit of the host's work per decoding step (a cost table's ``step_ms``): the
+"""lab/gpu/gpu_check.py's fit of the host's work per decoding step (a cost table's ``step_ms``): the
 target alone's measured time minus its passes' price, over its steps, checked on the other methods."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 
 from specdecode.bench.cost_table import parse_cost_table, price
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_steps_under_test", ROOT / "scripts" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_steps_under_test", ROOT / "lab" / "gpu" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -5,7 +5,7 @@ prompt) and prints, for each map, the share of output tokens whose id is in the 
 the ceiling on a reduced-head draft's acceptance (a draft token outside the map can never be
 proposed). The benchmark outputs only evaluate maps here; they are never used to build one.
 
-Usage: python scripts/token_map_coverage.py --maps default,/tmp/new.npy --sizes 16384,32768 \
+Usage: python lab/scripts/token_map_coverage.py --maps default,/tmp/new.npy --sizes 16384,32768 \
     docs/results/issue4-all-categories/results.json [more results.json ...]
 """
 

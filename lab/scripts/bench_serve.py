@@ -7,7 +7,7 @@ its mode as the per-request ``speculation`` extension (``"on"``: draft k every s
 the target alone, exactly what an ``--speculation off`` server runs; ``"adaptive"``: the cost
 model decides). Two server processes of the same code and settings differ by about 10% in speed
 on this machine (cause not found; measured with two ``off`` servers side by side,
-``scripts/serve_side_by_side.py``), more than the 5% that separates a good schedule from a bad
+``lab/scripts/serve_side_by_side.py``), more than the 5% that separates a good schedule from a bad
 one, so modes are compared within one process; ``--server separate`` starts one server per mode.
 Every concurrency level (1, 2, 4, 8) is split into ``--rounds`` rounds (fewer where a round would
 get fewer requests than the concurrency); in each round every mode
@@ -48,8 +48,8 @@ the threads, which exact mode's reference kernels do not, and batched passes rou
 
 Writes ``results.json`` and ``report.md`` into ``--out``. Example (reduced scale)::
 
-    python scripts/bench_serve.py --concurrency 1,2 --requests 4 --max-tokens 64 --out bench-results/serve
-    python scripts/bench_serve.py --backend llamacpp --threads 2 --peer llama-server \\
+    python lab/scripts/bench_serve.py --concurrency 1,2 --requests 4 --max-tokens 64 --out bench-results/serve
+    python lab/scripts/bench_serve.py --backend llamacpp --threads 2 --peer llama-server \\
         --llama-server-bin /tmp/llama-server-build/bin/llama-server --out bench-results/serve-llamacpp
 """
 
@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": datetime.now().isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "command": shlex.join(["python", "scripts/bench_serve.py", *given]),
+        "command": shlex.join(["python", "lab/scripts/bench_serve.py", *given]),
         "args": {**vars(args), "concurrency": levels},
         "setup": setup,
         "modes": {},

@@ -13,9 +13,9 @@ are ``int8`` and ``int8+float32`` (two copies of one loaded model).
 Prints the median per size and the ratio to the path's own one-token pass. A ratio near 1 at
 M = 5 is what speculative decoding needs; near M it means the path multiplies row by row.
 
-    python scripts/bench_cpu_paths.py [--target DIR] [--rounds 5] [--sizes 1,5,9,17]
-    python scripts/bench_cpu_paths.py --role draft --paths float32+onednn,int8,int8+float32
-    python scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed --sizes 1,2,5,9,17
+    python lab/scripts/bench_cpu_paths.py [--target DIR] [--rounds 5] [--sizes 1,5,9,17]
+    python lab/scripts/bench_cpu_paths.py --role draft --paths float32+onednn,int8,int8+float32
+    python lab/scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed --sizes 1,2,5,9,17
 """
 
 from __future__ import annotations

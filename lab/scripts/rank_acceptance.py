@@ -5,7 +5,7 @@ decodes each calibration prompt greedily; the draft is then run teacher-forced o
 sequence and, at every generated position, we record the rank of the target's token in the
 draft's distribution. Prints the fraction at ranks 0..3 (and beyond).
 
-    python scripts/rank_acceptance.py --max-new-tokens 64
+    python lab/scripts/rank_acceptance.py --max-new-tokens 64
 """
 
 from __future__ import annotations

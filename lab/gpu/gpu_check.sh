@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # A GPU check in one command (docs/gpu.md).
 #
-#   bash scripts/gpu_check.sh prepare [--no-llamacpp]   # HERE (PyPI access): fill .gpu/ with what travels
-#   bash scripts/gpu_check.sh hold | restore            # HERE, around a device call: the drafter weights
+#   bash lab/gpu/gpu_check.sh prepare [--no-llamacpp]   # HERE (PyPI access): fill .gpu/ with what travels
+#   bash lab/gpu/gpu_check.sh hold | restore            # HERE, around a device call: the drafter weights
 #                                                       # out of the checkout (it must stay under 64 MiB)
-#   bash scripts/gpu_check.sh run [--llamacpp] [--budget S] [--cpu-dry-run]
+#   bash lab/gpu/gpu_check.sh run [--llamacpp] [--budget S] [--cpu-dry-run]
 #                                                       # THERE (the GPU machine): install .gpu/wheels
 #                                                       # into /tmp/site, run tests/test_cuda.py, time
 #                                                       # the methods, print one summary; JSON in $OUT
 #
-# Through the device tool: run(command="bash scripts/gpu_check.sh run", carry=[".gpu"], timeout_s=480).
+# Through the device tool: run(command="bash lab/gpu/gpu_check.sh run", carry=[".gpu"], timeout_s=480).
 # --cpu-dry-run (or GPU_CHECK_DRY_RUN=1) runs every code path on a CPU with tiny models in ~2 minutes.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root (this file is lab/gpu/gpu_check.sh)
 
 GPU_DIR=${GPU_CHECK_DIR:-.gpu}
 LLAMA_CPP_PYTHON_VERSION=0.3.36
@@ -82,10 +82,10 @@ prepare() {
         || echo "gpu_check: WARNING: the slim llama-cpp-python source could not be made (--llamacpp will skip)" >&2
     fi
     # the default target's and draft's headers (~6 MiB each, mostly the vocabulary)
-    .venv/bin/python scripts/gpu_check.py gguf-header "$GPU_DIR" \
+    .venv/bin/python lab/gpu/gpu_check.py gguf-header "$GPU_DIR" \
       || echo "gpu_check: WARNING: no GGUF headers (--llamacpp will skip its timing, or the draft's)" >&2
   fi
-  .venv/bin/python scripts/gpu_check.py hf-skeleton "$GPU_DIR" \
+  .venv/bin/python lab/gpu/gpu_check.py hf-skeleton "$GPU_DIR" \
     || echo "gpu_check: WARNING: no Hugging Face folders (the cli stage will skip)" >&2
   echo "gpu_check: $GPU_DIR holds (carry it: carry=[\"$GPU_DIR\"]):"
   (cd "$GPU_DIR" && find . -type f -printf '%s\t%p\n' | sort -k2 | awk -F'\t' '{printf "  %8.1f KiB  %s\n", $1/1024, $2}')
@@ -124,12 +124,12 @@ run() {
       install_note="installed $ok of ${#wheels[@]} wheels into $site; not installable here: ${bad[*]}"
     fi
   else
-    install_note="no wheels in $GPU_DIR/wheels (run 'bash scripts/gpu_check.sh prepare' here and carry $GPU_DIR)"
+    install_note="no wheels in $GPU_DIR/wheels (run 'bash lab/gpu/gpu_check.sh prepare' here and carry $GPU_DIR)"
   fi
   echo "gpu_check: $install_note"
   export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   local rc=0
-  "$py" scripts/gpu_check.py run --site "$site" --gpu-dir "$GPU_DIR" --install-note "$install_note" \
+  "$py" lab/gpu/gpu_check.py run --site "$site" --gpu-dir "$GPU_DIR" --install-note "$install_note" \
     $([ "$dry" = 1 ] && echo --cpu-dry-run) "$@" || rc=$?
   [ "$dry" = 1 ] && [ -z "${GPU_CHECK_SITE:-}" ] && rm -rf "$site"  # the dry run's temporary folder
   return $rc
@@ -146,7 +146,7 @@ hold() {
     [ -e "$f" ] || continue
     mkdir -p "$HOLD_DIR/$(dirname "$f")" && mv "$f" "$HOLD_DIR/$f" && n=$((n + 1))
   done
-  echo "gpu_check: held $n drafter weight files in $HOLD_DIR (restore: bash scripts/gpu_check.sh restore)"
+  echo "gpu_check: held $n drafter weight files in $HOLD_DIR (restore: bash lab/gpu/gpu_check.sh restore)"
 }
 restore() {
   local f n=0
@@ -162,5 +162,5 @@ case ${1:-} in
   run) shift; run "$@" ;;
   hold) hold ;;
   restore) restore ;;
-  *) die "usage: bash scripts/gpu_check.sh prepare [--no-llamacpp] | hold | run [--llamacpp] [--compile] [--quick] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
+  *) die "usage: bash lab/gpu/gpu_check.sh prepare [--no-llamacpp] | hold | run [--llamacpp] [--compile] [--quick] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
 esac

@@ -6,9 +6,9 @@ what a generation spends beyond them, divided by its new tokens, is the per-toke
 Python and C around the passes (logits copy, argmax or sampler, bookkeeping). The gap between two
 consecutive one-token passes is reported too (its median is the steadiest number). Both decode
 greedily without stopping at EOS (llama-cpp-python's ``generate`` never stops; specdecode's
-generator is given no EOS ids), the prompts are ``scripts/gpu_check.py``'s kind (random ids).
+generator is given no EOS ids), the prompts are ``lab/gpu/gpu_check.py``'s kind (random ids).
 
-    .venv/bin/python scripts/llamacpp_overhead.py [--gguf PATH] [--threads 1] [--which both|spec|lcp]
+    .venv/bin/python lab/scripts/llamacpp_overhead.py [--gguf PATH] [--threads 1] [--which both|spec|lcp]
 
 Default GGUF: the cached Qwen2.5-Coder-0.5B Q4_K_M (the target's 151,936-token vocabulary, so the
 logits copy and argmax cost what they cost for the 1.5B target).
@@ -48,7 +48,7 @@ llama_cpp.llama_decode = timed_decode  # specdecode's runner here
 
 
 def make_prompts(vocab: int, length: int, count: int) -> list[list[int]]:
-    """``scripts/gpu_check.py``'s prompts: one random, the others a random block repeated."""
+    """``lab/gpu/gpu_check.py``'s prompts: one random, the others a random block repeated."""
     g = torch.Generator().manual_seed(1234)
     high = min(vocab, 150000)
     prompts = [torch.randint(0, high, (length,), generator=g).tolist()]

@@ -7,7 +7,7 @@ float32 or bfloat16 draft on the CPU drafts int8, its reduced head int8 too) wit
 N-token heads, the arms alternating ``--rounds`` times so that drift of the machine hits all
 alike. Prints medians in milliseconds.
 
-Usage: python scripts/bench_reduced_head.py [--sizes 32768,65536] [--rounds 8] [--steps 16] [--reps 50]
+Usage: python lab/scripts/bench_reduced_head.py [--sizes 32768,65536] [--rounds 8] [--steps 16] [--reps 50]
        [--dtype auto] [--draft-quantization auto]
 """
 
