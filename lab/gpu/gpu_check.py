@@ -1751,7 +1751,7 @@ def stage_llamacpp_all(build: Child | str | None, python: str, env: dict[str, st
 def crash_diagnosis(python: str, env: dict[str, str], site: str, gguf: Path) -> dict[str, str]:
     """After a SIGSEGV in the llama.cpp stage (about 30 s): each library's dynamic section (which
     C++ runtime it needs) and the dynamic loader's bindings of the C++ stream facets while
-    llama_cpp loads a GGUF header (docs/results/issue42-h100/llamacpp-crash.md)."""
+    llama_cpp loads a GGUF header (lab/results/issue42-h100/llamacpp-crash.md)."""
     out: dict[str, str] = {}
     lib_dir = Path(site) / "llama_cpp" / "lib"
     needed = []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does this host's g++ link libstdc++ statically, and does a second, static libstdc++ in a process
 # that loaded the shared one crash at the first number formatted through a C++ stream? The suspected
-# cause of llama.cpp's SIGSEGV on the lent H100 host (docs/results/issue42-h100/llamacpp-crash.md).
+# cause of llama.cpp's SIGSEGV on the lent H100 host (lab/results/issue42-h100/llamacpp-crash.md).
 # ~20 s, no llama.cpp build needed. Through the device tool: run(command="bash lab/gpu/gpu_probe_libstdcxx.sh").
 set -u
 work=$(mktemp -d); cd "$work" || exit 1

@@ -18,7 +18,7 @@ lossless method). Per category group it prints:
 - ``lookup@4``: the tokens per pass prompt lookup reached in the replay with n-grams 1 to 3 and k = 4
   (its defaults before 2026-11-25).
 
-Usage: python lab/scripts/copy_oracle.py docs/results/issue4-pld-summarization-rag-8/results.json [--k 4,8,16]
+Usage: python lab/scripts/copy_oracle.py lab/results/issue4-pld-summarization-rag-8/results.json [--k 4,8,16]
 """
 
 from __future__ import annotations

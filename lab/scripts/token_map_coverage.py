@@ -6,7 +6,7 @@ the ceiling on a reduced-head draft's acceptance (a draft token outside the map 
 proposed). The benchmark outputs only evaluate maps here; they are never used to build one.
 
 Usage: python lab/scripts/token_map_coverage.py --maps default,/tmp/new.npy --sizes 16384,32768 \
-    docs/results/issue4-all-categories/results.json [more results.json ...]
+    lab/results/issue4-all-categories/results.json [more results.json ...]
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def libstdcxx_link_dir(cxx: str | None = None) -> Path | None:
     system one that numpy (and so every specdecode process) loads; if the two come from different
     GCC releases, their locale facet indices disagree and llama.cpp segfaults at the first number it
     formats through a C++ stream (``print_info`` during the model load; GCC bug 67903, llama.cpp
-    PR #22434). This was seen on the lent GPU machine's host (docs/results/issue42-h100/llamacpp-crash.md).
+    PR #22434). This was seen on the lent GPU machine's host (lab/results/issue42-h100/llamacpp-crash.md).
     Linking against the runtime the process loads anyway avoids the second copy.
 
     Creates ``<cache>/libstdcxx-link/libstdc++.so`` when it returns a folder (idempotent).

@@ -56,7 +56,7 @@ GPU: llama.cpp's CUDA kernels (llama-cpp-python 0.3.36 built for sm_90 with flas
 kernels off) on an NVIDIA H100, the default target's Q4_K_M layout with random weights, 400
 tokens cached, 20 contexts: every row of passes of 1..9 tokens equal to one-token decoding, the
 largest logit difference 0.0, with flash attention on llama.cpp's choice and on
-(docs/results/issue42-h100/run2/llamacpp.json). Wider passes were not measured; an exact runner
+(lab/results/issue42-h100/run2/llamacpp.json). Wider passes were not measured; an exact runner
 on a GPU splits them. Other cards are assumed to behave alike: not measured."""
 
 
