@@ -41,7 +41,7 @@ def pad_single_rows(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Inputs of other shapes pass unchanged. Hooks are removed on exit, also after an error. Not
     used by the engine or the server yet: on the reference CPU it makes a bfloat16 one-token step
     of the 1.5B target 8% faster and of the 0.5B draft 6% slower (hook overhead on small layers;
-    docs/benchmarks.md, "One-row linear layers").
+    lab/notebook/2026-11-22-one-row-linear.md).
 
     Args:
         model: any ``torch.nn.Module``; its ``nn.Linear`` submodules (or itself) get the hooks.
