@@ -367,8 +367,8 @@ def llama_server_bin(args: argparse.Namespace) -> str:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise SystemExit(
-        "--peer llama-server: no llama-server binary (--llama-server-bin PATH; docs/serving.md, "
-        "'On llama.cpp', builds one from the sources llama-cpp-python vendors)"
+        "--peer llama-server: no llama-server binary (--llama-server-bin PATH; lab/README.md, "
+        "'The server's load benchmark', builds one from the sources llama-cpp-python vendors)"
     )
 
 

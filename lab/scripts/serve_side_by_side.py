@@ -9,7 +9,7 @@ step of each phase from ``/metrics`` (``specdecode_step_phase_seconds``). Two id
 show how much two processes of the same code differ on this machine; that is the noise floor of
 any comparison between servers. Uses the server handling of ``lab/scripts/bench_serve.py``.
 
-Example (what docs/serving.md quotes)::
+Example (what lab/notebook/2026-11-22-serve-load.md quotes)::
 
     python lab/scripts/serve_side_by_side.py --modes off,off
     python lab/scripts/serve_side_by_side.py --modes off,adaptive
