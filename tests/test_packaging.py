@@ -41,7 +41,8 @@ def wheel_files(tmp_path_factory) -> dict[str, bytes]:
     shutil.copytree(ROOT, tree, ignore=NOT_COPIED)
     args = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
             "--disable-pip-version-check", "-w", str(tmp / "out"), str(tree)]  # fmt: skip
-    subprocess.run(args, check=True, capture_output=True, timeout=600)
+    built = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-4000:]
     (wheel,) = (tmp / "out").glob("specdecode-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         return {name: archive.read(name) for name in archive.namelist() if not name.endswith("/")}
