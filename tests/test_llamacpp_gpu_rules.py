@@ -1,6 +1,6 @@
 """Exact mode with every layer on a GPU follows the rule measured there, not the CPU's: passes of
 up to ``GPU_INVARIANT_TOKENS`` tokens are one pass (bit-identical on CUDA, measured on an H100:
-docs/results/issue42-h100/run2), flash attention is llama.cpp's choice, and no CPU reference
+lab/results/issue42-h100/run2), flash attention is llama.cpp's choice, and no CPU reference
 kernels are switched. A caller's own ``invariant_tokens`` always wins; a CPU model is unchanged."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A llama.cpp build never carries its own C++ runtime: where the compiler would link libstdc++
 statically (no ``libstdc++.so`` development link), the set-up points the linker at the shared
-runtime, and a build whose libraries embed one is named (docs/results/issue42-h100/llamacpp-crash.md)."""
+runtime, and a build whose libraries embed one is named (lab/results/issue42-h100/llamacpp-crash.md)."""
 
 from __future__ import annotations
 

@@ -47,8 +47,8 @@ def test_real_pair_greedy_float32_equals_target_only(real_pair: SpeculativeGener
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: SpeculativeGenerator, kind: str) -> None:
-    """The drafters trained for the default target ship in specdecode/data/drafters (docs/benchmarks.md,
-    "Trained drafters shipped with specdecode"): they load on it (identity checked), reproduce target-only
+    """The drafters trained for the default target ship in specdecode/data/drafters (lab/notebook/
+    2026-11-25-shipped-drafters.md): they load on it (identity checked), reproduce target-only
     greedy decoding in float32, and draft tokens it keeps on a coding request."""
     from specdecode.drafters import shipped_drafter_dir
     from specdecode.proposers import make_proposer

@@ -20,7 +20,7 @@ Two kinds of tree:
   Named shapes are in :data:`TREE_SHAPES` (``treeN``: the N nodes of largest expected accepted
   length for the default draft's measured rank acceptance, :func:`greedy_paths`, with a depth cap,
   since each depth costs one draft pass); ``default`` is the shape that peaked on this project's
-  benchmark machine (docs/benchmarks.md).
+  benchmark machine (lab/notebook/2026-11-21-token-trees.md).
 - **dynamic** (EAGLE-2, Li et al. 2024, arXiv 2406.16858): built per step from the proposer's
   cumulative log-probabilities; each depth expands the ``top_k`` best nodes of the previous one
   by their ``top_k`` best children, and the ``budget`` nodes of highest cumulative log-probability
@@ -208,7 +208,7 @@ def greedy_paths(num_nodes: int, rank_acceptance: list[float], max_depth: int = 
 
 # How often the default draft's (Qwen2.5-Coder-0.5B, bf16) candidate of rank 0, 1, 2, 3 is the default
 # target's greedy token: the 8 calibration prompts (specdecode/data/calibration_prompts.jsonl), 64 tokens
-# each, teacher-forced (`python scripts/rank_acceptance.py`): 0.826, 0.094, 0.033, 0.014 (3.3% beyond).
+# each, teacher-forced (`python lab/scripts/rank_acceptance.py`): 0.826, 0.094, 0.033, 0.014 (3.3% beyond).
 _RANKS = [0.826, 0.094, 0.033, 0.014]
 TREE_SHAPES: dict[str, list[list[int]]] = {
     "chain4": [[0] * d for d in range(1, 5)],
@@ -218,7 +218,7 @@ TREE_SHAPES: dict[str, list[list[int]]] = {
     "tree24": greedy_paths(24, _RANKS, max_depth=6),
     "tree32": greedy_paths(32, _RANKS, max_depth=7),
 }
-TREE_SHAPES["default"] = TREE_SHAPES["tree8"]  # peaked in docs/benchmarks.md (issue 5 run)
+TREE_SHAPES["default"] = TREE_SHAPES["tree8"]  # peaked in lab/notebook/2026-11-21-token-trees.md (issue 5 run)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ the speedup without changing the order of methods).
 proposer's own search, Python, host-device copies. Every target pass after the prefill is one step
 and costs ``step_ms`` on top of its pass. It is measured, not modelled: the target alone's
 end-to-end time on the table's machine minus its passes' price, over its steps
-(``scripts/gpu_check.py`` fits it so). One constant for every method: a proposer whose own search
+(``lab/gpu/gpu_check.py`` fits it so). One constant for every method: a proposer whose own search
 costs more per step than the target alone's loop (prompt lookup's n-gram match) is still priced a
 little under what it costs. Without ``step_ms`` that work is free.
 

@@ -22,7 +22,7 @@ back to ``depth`` after it. A pass through llama.cpp in exact mode is timed as e
 (split into batch-invariant chunks), which is what a recorded pass of that width costs unless the
 verifier stopped it early at a mismatch: an exact-mode table is an upper bound on those passes.
 The same procedure, on random weights of the default models' shapes, made the shipped H100 tables
-(``scripts/gpu_check.py``).
+(``lab/gpu/gpu_check.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ RESULTS --cost-table FILE``.
 Example::
 
     specdecode cost-table --out my-gpu.json
-    specdecode bench --report docs/results/issue42-h100/prediction-heads/results.json --cost-table my-gpu.json
+    specdecode bench --report lab/results/issue42-h100/prediction-heads/results.json --cost-table my-gpu.json
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def default_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path
 
 def shipped_drafters_root() -> Path:
     """The folder of the drafters that ship with specdecode (``specdecode/data/drafters``): the ones
-    the project trained for its default target (docs/benchmarks.md, "Trained drafters")."""
+    the project trained for its default target (docs/training.md)."""
     return Path(__file__).resolve().parent.parent / "data" / "drafters"
 
 

@@ -70,7 +70,7 @@ class EagleProposer(ProposerBase):
     default_num_speculative_tokens = 2
     """k when the caller gives none: the shipped head's chain peaks at k = 2 on the reference CPU
     (humaneval, 4 prompts: 1.65x against 1.60x at k = 3 and 1.46x at k = 4; its acceptance falls
-    to 0.07 at the third position). docs/benchmarks.md, "EAGLE chains and small trees, swept"."""
+    to 0.07 at the third position). lab/notebook/2026-11-25-eagle-trees.md."""
 
     def __init__(self, drafter: EagleHead, config: EagleConfig | None = None) -> None:
         if not isinstance(drafter, EagleHead) or not drafter.attached:

@@ -112,7 +112,7 @@ class LookupFirstProposer(ProposerBase):
         lookup_steps, model_steps: the steps of the current request drafted by lookup, by the model.
         default_num_speculative_tokens: 8 whatever the model's own default: k bounds lookup's
             drafts (the model drafts at most ``model_k``), and copied runs are long. Measured on the
-            reference CPU (docs/benchmarks.md, "How far to draft behind prompt lookup"): humaneval,
+            reference CPU (lab/notebook/2026-11-25-lookup-k.md): humaneval,
             8 prompts, EAGLE behind lookup 4.55x at k = 8 against 3.53x at k = 4 (faster on 8 of
             8); all dev categories, 2 prompts each, EAGLE / draft model behind lookup 1.78x / 1.97x
             at k = 8 against 1.75x / 1.93x at k = 4 (humaneval -20% time per token, the other

@@ -71,7 +71,7 @@ class MedusaProposer(ProposerBase):
     default_num_speculative_tokens = 2
     """k when the caller gives none: the shipped heads' chain is fastest at k = 2 on the reference CPU
     (humaneval, 4 prompts: 1.60x against 1.56x at k = 3 and 1.53x at k = 4; heads 3 and 4 are
-    accepted 0.04 and 0.00 of the time). docs/results/issue6-medusa-k."""
+    accepted 0.04 and 0.00 of the time). lab/results/issue6-medusa-k."""
 
     def __init__(self, drafter: MedusaHeads, config: MedusaConfig | None = None) -> None:
         if not isinstance(drafter, MedusaHeads) or not drafter.attached:

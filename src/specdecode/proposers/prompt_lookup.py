@@ -37,7 +37,7 @@ class PromptLookupConfig:
     against the earlier defaults (n-grams 1 to 3, no factor, k 4), every dev category, 3 prompts
     each: 1.70x against 1.65x over the target alone, 4.8% less time per token (geometric mean over
     21 prompts, faster on 15), humaneval +26%, summarization +8%, math_reasoning -5%
-    (docs/benchmarks.md, "Prompt lookup's draft length follows its match").
+    (lab/notebook/2026-11-25-lookup-draft-length.md).
 
     Raises:
         ValueError: bounds outside the above.

@@ -55,7 +55,7 @@ then). The best K wins; K = 0 (no speculation) is always a candidate, and a K > 
 :data:`SPECULATION_MARGIN` (5%): the model's inputs are estimates (a table measured at a short
 context, acceptance learned mostly from steps that chose to draft), and near break-even they flip
 from step to step. The catch-up charge ``u_i`` matters more: without it, in a paired load run at
-concurrency 2 (``docs/results/issue7-serve-paired*``), a request running alone for its last tokens
+concurrency 2 (``lab/results/issue7-serve-paired*``), a request running alone for its last tokens
 drafted one token and paid its draft's prompt prefill (about a second) for it, 17-19 times per
 run (adaptive / off 0.95); with it, 1.01. So at a batch size where
 ``t_target(B, K + 1)`` is well above ``t_target(B, 1)`` nobody drafts, and a sequence with a low

@@ -71,7 +71,7 @@ CUDA_FLAGS = ("-DGGML_CUDA=on", "-DGGML_CUDA_FA=OFF")
 """CUDA on, its flash-attention kernels not compiled (``GGML_CUDA_FA``, llama.cpp's CMake option;
 specdecode runs llama.cpp on a GPU with flash attention off, ``LlamaCppOptions.flash_attn``): a
 shorter build. With :func:`cuda_cmake_args` the only definition of a CUDA build's arguments
-(``scripts/gpu_check.py`` uses it too)."""
+(``lab/gpu/gpu_check.py`` uses it too)."""
 
 CUDA_OPT_OUT = "SPECDECODE_LLAMA_CUDA"
 """``SPECDECODE_LLAMA_CUDA=0`` (or ``false``, ``no``, ``off``): never build the ``cuda`` flavour."""
@@ -190,7 +190,7 @@ def libstdcxx_link_dir(cxx: str | None = None) -> Path | None:
     system one that numpy (and so every specdecode process) loads; if the two come from different
     GCC releases, their locale facet indices disagree and llama.cpp segfaults at the first number it
     formats through a C++ stream (``print_info`` during the model load; GCC bug 67903, llama.cpp
-    PR #22434). This was seen on the lent GPU machine's host (docs/results/issue42-h100/llamacpp-crash.md).
+    PR #22434). This was seen on the lent GPU machine's host (lab/results/issue42-h100/llamacpp-crash.md).
     Linking against the runtime the process loads anyway avoids the second copy.
 
     Creates ``<cache>/libstdcxx-link/libstdc++.so`` when it returns a folder (idempotent).

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
 kernels built without llamafile, by whether the weights are repacked (docs/llamacpp.md,
-``scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
+``lab/scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
 
 GPU_INVARIANT_TOKENS = 9
 """Longest pass measured to give logits bit-identical to one-token passes with every layer on a
@@ -56,7 +56,7 @@ GPU: llama.cpp's CUDA kernels (llama-cpp-python 0.3.36 built for sm_90 with flas
 kernels off) on an NVIDIA H100, the default target's Q4_K_M layout with random weights, 400
 tokens cached, 20 contexts: every row of passes of 1..9 tokens equal to one-token decoding, the
 largest logit difference 0.0, with flash attention on llama.cpp's choice and on
-(docs/results/issue42-h100/run2/llamacpp.json). Wider passes were not measured; an exact runner
+(lab/results/issue42-h100/run2/llamacpp.json). Wider passes were not measured; an exact runner
 on a GPU splits them. Other cards are assumed to behave alike: not measured."""
 
 

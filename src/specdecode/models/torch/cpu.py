@@ -7,8 +7,9 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   AVX-NE-CONVERT: most laptops, AMD Zen 2/3, Intel client chips): torch 2.13 has no blocked bf16
   GEMM there (oneDNN refuses bf16, ``mkldnn_linear: bf16 path needs ...``) and multiplies row by
   row, so a pass over M tokens costs about M one-token passes. Measured on the project's 2-core
-  AMD EPYC (Zen 3, ``scripts/bench_cpu_paths.py``, docs/benchmarks.md): the default target's pass
-  over 1 / 5 / 9 / 17 tokens takes 226 / 848 / 1,482 / 2,795 ms, and a 300-token prefill 41 s.
+  AMD EPYC (Zen 3, ``lab/scripts/bench_cpu_paths.py``, lab/notebook/2026-11-23-cpu-avx2-float32.md):
+  the default target's pass over 1 / 5 / 9 / 17 tokens takes 226 / 848 / 1,482 / 2,795 ms, and a
+  300-token prefill 41 s.
   No proposer can win there: verifying 4 drafts costs 3.75 plain steps.
 - **float32 through MKL** (torch's default CPU GEMM): blocked, but slow for few rows on AMD
   (430 / 1,263 / 1,487 / 1,892 ms; prefill 10.4 s).
@@ -21,13 +22,13 @@ one (decoding is memory-bound). On a CPU that holds only on some paths:
   into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's
   compiler does for frozen CPU linears) instead of reordering the plain weight on every call;
   one-token passes keep the plain weight (the packed one was not faster there). Measured on the
-  same machine (``scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed``): see
-  docs/benchmarks.md, "Prepacked oneDNN weights". The copy costs the layers' memory a second
+  same machine (``lab/scripts/bench_cpu_paths.py --paths float32+onednn,float32+packed``): see
+  lab/notebook/2026-11-25-prepacked-onednn.md. The copy costs the layers' memory a second
   time (about 6 GB for the float32 1.5B target), made on the first multi-token pass.
 
 :func:`auto_dtype` picks bfloat16 where it is native (or on a GPU) and float32 otherwise;
 :func:`specdecode.models.torch.hf_loading.load_model` then routes the float32 model's large linears through
-oneDNN. ``scripts/bench_cpu_paths.py`` measures all three paths on a machine.
+oneDNN. ``lab/scripts/bench_cpu_paths.py`` measures all three paths on a machine.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def prepack(model: torch.nn.Module) -> int:
     first gets the memory. For a target that speculation will verify drafts with, call this right
     after loading it and before loading a draft: the target's multi-token passes are what every
     step pays (on the AVX2 reference CPU a 5-token pass costs 1.72 one-token passes packed, 2.06
-    unpacked: docs/benchmarks.md, "The bench's target lost its prepacked weights"), while a
+    unpacked: lab/notebook/2026-11-25-eagle-vs-draft-avx2.md), while a
     draft model mostly runs one-token passes, which do not use the packed copies. Idempotent; a
     model with no routed layers (not float32, not on the CPU, or small) is left as it is.
 

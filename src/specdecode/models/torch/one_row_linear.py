@@ -2,7 +2,7 @@
 
 Decoding one token runs every ``nn.Linear`` of the model on a single row, a matrix-vector product.
 On some CPUs PyTorch's one-row bf16 kernel is slower than its two-row matrix product (measured by
-``scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
+``lab/scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
 faster. Row 0 of the two-row product is the same dot products as the one-row product, possibly
 summed in another order, so the result may differ in the last bits, as any change of kernel does.
 """
@@ -41,7 +41,7 @@ def pad_single_rows(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Inputs of other shapes pass unchanged. Hooks are removed on exit, also after an error. Not
     used by the engine or the server yet: on the reference CPU it makes a bfloat16 one-token step
     of the 1.5B target 8% faster and of the 0.5B draft 6% slower (hook overhead on small layers;
-    docs/benchmarks.md, "One-row linear layers").
+    lab/notebook/2026-11-22-one-row-linear.md).
 
     Args:
         model: any ``torch.nn.Module``; its ``nn.Linear`` submodules (or itself) get the hooks.

@@ -20,12 +20,12 @@ natively (:func:`int8_float_dtype`; float32 layers would also get oneDNN's prepa
 embedding table stays bfloat16 (looked up into float32: exact). The default draft's copy holds
 871 MB on an AMD EPYC with AVX512-BF16 against 1,499 MB with those layers in float32 (1,771 MB
 before the table stayed bfloat16), at the same speed within noise and 0.927 / 0.930 argmax
-agreement with the float32 draft (docs/benchmarks.md, "A leaner int8 draft").
+agreement with the float32 draft (lab/notebook/2026-11-25-lean-int8-draft.md).
 
-Speed on the project's 2-core AVX2 machine (``python scripts/bench_cpu_paths.py --role draft
---paths float32+onednn,int8 --rounds 3``, docs/benchmarks.md): one pass of the default draft over
-1 / 5 / 9 / 17 tokens costs 101 / 228 / 244 / 346 ms in float32 (oneDNN) and 79 / 115 / 132 /
-170 ms in int8 (prefill of 300 tokens: 2.5 s and 1.4 s). In the bench the draft cost ratio c fell
+Speed on the project's 2-core AVX2 machine (``python lab/scripts/bench_cpu_paths.py --role draft
+--paths float32+onednn,int8 --rounds 3``, lab/notebook/2026-11-23-int8-draft.md): one pass of the
+default draft over 1 / 5 / 9 / 17 tokens costs 101 / 228 / 244 / 346 ms in float32 (oneDNN) and
+79 / 115 / 132 / 170 ms in int8 (prefill of 300 tokens: 2.5 s and 1.4 s). In the bench the draft cost ratio c fell
 from 0.239 to 0.147 with the same mean acceptance length (3.40 and 3.42), and ``draft_model`` went
 from 0.87x to 1.05x of the target alone over the seven dev categories.
 
@@ -73,9 +73,10 @@ def resolve_draft_quantization(value: str | None, model: torch.nn.Module) -> str
 
     ``"auto"`` is ``"int8"`` for a float32 or bfloat16 draft on the CPU with at least
     :data:`INT8_AUTO_MIN_PARAMETERS` parameters, else ``"none"`` (a GPU draft, or a tiny one).
-    Measured side by side against the draft as loaded (docs/benchmarks.md): float32 on an AVX2
-    CPU (``--dtype auto`` there), 1.05x against 0.87x of the target alone, and bfloat16 on an
-    Intel CPU with AMX, 1.52x against 1.26x, at the same mean acceptance length both times.
+    Measured side by side against the draft as loaded (lab/notebook/2026-11-23-int8-draft.md and
+    2026-11-25-amx.md): float32 on an AVX2 CPU (``--dtype auto`` there), 1.05x against 0.87x of the
+    target alone, and bfloat16 on an Intel CPU with AMX, 1.52x against 1.26x, at the same mean
+    acceptance length both times.
 
     Raises:
         ValueError: ``value`` is not a known setting.
@@ -135,8 +136,8 @@ def int8_float_dtype(model: torch.nn.Module) -> torch.dtype:
     natively (half float32's bytes, no prepacked float32 copy, the weights as loaded), else float32
     (through oneDNN's few-row path).
 
-    Measured on the default draft, AMD EPYC with AVX512-BF16 (``scripts/bench_cpu_paths.py --role
-    draft --paths int8,int8+float32``, interleaved; docs/benchmarks.md, "A leaner int8 draft"):
+    Measured on the default draft, AMD EPYC with AVX512-BF16 (``lab/scripts/bench_cpu_paths.py --role
+    draft --paths int8,int8+float32``, interleaved; lab/notebook/2026-11-25-lean-int8-draft.md):
     passes over 1 / 5 / 9 / 17 tokens within noise of each other (43 / 51 / 65 / 88 ms against
     42 / 47 / 64 / 93 ms), 871 MB against 1,499 MB.
     """
