@@ -3,7 +3,7 @@
 The commands are read from the README itself (every ``specdecode ...`` line of the tour's shell
 block; ``"..."`` stands for a prompt), so a line added to the tour is tested with no change here.
 Each runs as a user runs it, ``.venv/bin/specdecode`` in a subprocess, in a folder holding the files
-the tour names (``person.json``), with a small budget appended (:data:`BUDGETS`), and must exit 0
+the tour names (``person.json``, ``calc.py``), with a small budget appended (:data:`BUDGETS`), and must exit 0
 with a meaningful output: text, the statistics table, ``identical`` under ``--compare``, parseable
 JSON with log-probabilities under ``--json --logprobs``, output valid under ``--json-schema``. The
 README's Python snippets run too: the library's (in this process) and the client's against a
@@ -53,6 +53,7 @@ SCHEMA = {  # person.json: short enough to be completed in the budget below
 }
 SCHEMA_BUDGET = ["--max-new-tokens", "24"]  # a schema-valid answer needs the closing brace
 TIMEOUT_S = 300
+CALC = "def add(a, b):\n    return a + b\n"  # calc.py, the file the tour's edit predicts
 
 
 def tour_section() -> str:
@@ -116,6 +117,7 @@ def stats_rows(stderr: str) -> dict[str, str]:
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a) for a in COMMANDS])
 def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
     (tmp_path / "person.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "calc.py").write_text(CALC)
     budget = SCHEMA_BUDGET if "--json-schema" in argv else BUDGETS.get(argv[0], [])
     if argv[0] == "bench":
         budget = [*budget, "--out", str(tmp_path / "bench")]
@@ -154,6 +156,8 @@ def check_generate(argv: list[str], done: subprocess.CompletedProcess[str]) -> N
     assert "decoding statistics" in done.stderr and float(rows["tokens_per_second"]) > 0, done.stderr
     if "--compare" in argv:
         assert rows["identical"] == "True", done.stderr  # greedy speculation gives the target's own tokens
+    if "--prediction" in argv:  # the prediction's usage, as OpenAI reports it
+        assert int(rows["prediction_tokens"]) > 0 and "accepted_prediction_tokens" in rows, done.stderr
     if "--json-schema" in argv:
         jsonschema = pytest.importorskip("jsonschema")
         jsonschema.validate(json.loads(done.stdout), SCHEMA)
