@@ -42,7 +42,7 @@ def test_a_bad_backend_names_the_parameter() -> None:
 
 
 def test_the_default_proposer_follows_the_backend_and_a_named_draft() -> None:
-    assert default_proposer("llamacpp") == ("prompt_lookup", {"min_ngram": 3})
+    assert default_proposer("llamacpp") == ("prompt_lookup", {"min_ngram": 3, "max_ngram": 8})
     assert default_proposer("torch") == ("draft_model", {})
     assert default_proposer("llamacpp", draft="d.gguf") == ("draft_model", {})
 

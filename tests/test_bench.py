@@ -138,7 +138,7 @@ def test_quick_fills_only_unset_options():
     args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "32"])
     quick = {"max_new_tokens": 32, "prompts_per_category": 1, "methods": "target,draft_model,hf_assisted"}
     assert _options(args, "torch") == quick
-    assert _options(args, "llamacpp") == {**quick, "methods": "target,prompt_lookup(min_ngram=3),llamacpp"}
+    assert _options(args, "llamacpp") == {**quick, "methods": "target,prompt_lookup(min_ngram=3,max_ngram=8),llamacpp"}
     drafted = build_parser().parse_args(["bench", "--quick", "--draft", "some.gguf"])
     assert _options(drafted, "llamacpp")["methods"] == "target,draft_model,llamacpp"  # a named draft drafts
     given = build_parser().parse_args(["bench", "--quick", "--methods", "target"])

@@ -117,7 +117,9 @@ def test_greedy_equals_target_only(tiny_pair, draft_name: str, mode) -> None:
     k = mode if isinstance(mode, int) else 4
     lookup = model = drafted = accepted = 0
     for prompt in PROMPTS:
-        result = spec.generate(prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k, tree=tree)
+        result = spec.generate(
+            prompt, SamplingParams(max_new_tokens=NEW), num_speculative_tokens=k, tree=tree, schedule="ungated"
+        )
         assert result.token_ids == target_only_greedy(target, prompt, NEW)
         assert result.stats.proposer == "draft_model+lookup"
         lookup, model = lookup + hybrid.lookup_steps, model + hybrid.model_steps

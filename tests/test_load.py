@@ -67,11 +67,13 @@ def test_the_default_pair_and_a_gguf_file_plan_llamacpp_and_prompt_lookup(monkey
 
     _no_weights(monkeypatch)
     plan = plan_models()
-    assert (plan.backend, plan.proposer, plan.options) == ("llamacpp", "prompt_lookup", {"min_ngram": 3})
+    expected = ("llamacpp", "prompt_lookup", {"min_ngram": 3, "max_ngram": 8})
+    assert (plan.backend, plan.proposer, plan.options) == expected
     assert plan.target == packaged_gguf(None, "target") and plan.draft is None
     assert plan.name == DEFAULT_TARGET.name and plan.config.min_ngram == 3
     gguf = plan_models(str(plan.target), proposer="auto", min_ngram=2)  # options given win over auto's
-    assert (gguf.backend, gguf.proposer, gguf.options) == ("llamacpp", "prompt_lookup", {"min_ngram": 2})
+    assert (gguf.backend, gguf.proposer) == ("llamacpp", "prompt_lookup")
+    assert gguf.options == {"min_ngram": 2, "max_ngram": 8}
     draft_file = packaged_gguf(None, "draft")
     drafted = plan_models(draft=str(draft_file))  # a draft named: draft_model
     assert (drafted.backend, drafted.proposer, drafted.draft) == (

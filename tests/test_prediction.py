@@ -145,7 +145,8 @@ def edited(tokens: list[int], vocab: int) -> list[int]:
 def test_greedy_equals_target_only(tiny_target, kind: str, fallback: bool) -> None:
     """Greedy output equals the target alone's with a prediction that agrees fully (the answer
     itself), partly (edited every 12 tokens) and never (tokens the answer has not), with and
-    without prompt lookup drafting where the prediction has nothing."""
+    without prompt lookup drafting where the prediction has nothing. A prediction unrelated to the
+    answer costs nothing: the request makes exactly the passes it makes without one."""
     V = tiny_target.config.vocab_size
     generator = SpeculativeGenerator(tiny_target, proposer=PromptLookupProposer() if fallback else None)
     sampling = SamplingParams(max_new_tokens=N)
@@ -157,12 +158,16 @@ def test_greedy_equals_target_only(tiny_target, kind: str, fallback: bool) -> No
             "edited": edited(expected, V),
             "unrelated": [t for t in range(V) if t not in expected][:40],
         }[kind]
-        result = generator.generate(prompt, sampling, prediction=prediction)
+        result = generator.generate(prompt, sampling, prediction=prediction, schedule="ungated")  # every draft sent
         assert result.token_ids == expected
         record = result.stats.prediction
         assert record.prediction_tokens == len(prediction)
         assert record.accepted_prediction_tokens + record.rejected_prediction_tokens == len(prediction)
         assert result.stats.num_speculative_tokens == PREDICTION_DEFAULT_K
+        if kind == "unrelated":  # nothing drafted from it: the very passes of the request without one
+            without = generator.generate(prompt, sampling, schedule="ungated")
+            assert record.prediction_steps == 0
+            assert result.stats.target_pass_widths == without.stats.target_pass_widths
         accepted.append(record.accepted_prediction_tokens / (N - 1))
         rates.append(result.stats.acceptance_rate)
     share = sum(accepted) / len(accepted)  # of the tokens after the prefill's first (the rest: bonus tokens)

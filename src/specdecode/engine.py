@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from specdecode.constraints.spec import Constraint
 from specdecode.constraints.state import ConstraintState
 from specdecode.decode_state import DecodeState
+from specdecode.draft_gate import PassCosts
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens  # noqa: F401 (engine's names)
 from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
@@ -212,6 +213,7 @@ class SpeculativeGenerator:
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
+        self.pass_costs = PassCosts()  # what the target's passes cost on this machine: the draft gate reads them
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> SpeculativeGenerator:
@@ -363,22 +365,26 @@ class SpeculativeGenerator:
                 continue
             k_step = min(schedule.next_k(), room) if proposer is not None else 0
             tic = time.perf_counter()
-            draft = state.propose(k_step)  # 1.
+            draft = schedule.trim(state.propose(k_step))  # 1. (the draft gate may shorten a copied draft)
             toc = time.perf_counter()
             # a split pass may stop at a mismatch with the raw argmax (not the constrained one: no hint then)
             hint = draft.ids if sampling.greedy and len(draft) and state.constraint is None else None
             logits, hidden = _pass(
                 target.forward(state.step_input(draft.ids), len(draft) + 1, return_hidden=features, greedy_draft=hint)
             )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
+            tac = time.perf_counter()
             stats.draft_time_s += toc - tic
-            stats.target_time_s += time.perf_counter() - toc
+            stats.target_time_s += tac - toc
             result = state.verify(draft, logits)  # 3. over the drafts scored (greedy: the rejection is among them)
             n = result.num_accepted
             target.truncate(state.T + n)  # 4. keep context + accepted drafts
             state.after_verify(len(draft), result, hidden[: n + 1] if hidden is not None else None)  # 4.-5.
+            step_s = time.perf_counter() - tic
+            self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), tac - toc, step_s)  # what passes cost here
             if proposer is not None:
-                schedule.update(len(draft), n, time.perf_counter() - tic, draft_time_s=toc - tic)
+                schedule.update(len(draft), n, step_s, draft_time_s=toc - tic)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
+            stats.gated_draft_tokens = schedule.gated_tokens
             yield state.append(result.tokens, logits)  # 5. (rows 0 .. n score the n + 1 tokens)
 
     @staticmethod
@@ -386,7 +392,7 @@ class SpeculativeGenerator:
         spec = parse_tree(tree)
         if not proposer.supports_tree:
             raise ValueError(f"tree: the {proposer.name!r} proposer drafts chains only (supports_tree is False)")
-        if plan.kind != "constant":
+        if plan.kind not in ("constant", "ungated"):
             raise ValueError(f"tree: token trees use a fixed shape; schedule must be 'constant', got {plan.kind!r}")
         return spec
 
@@ -484,7 +490,7 @@ class SpeculativeGenerator:
             if speculative:  # the prediction drafts first, the generator's proposer where it has nothing
                 proposer = with_prediction(proposer, prediction, int(prompt_ids.shape[0]))
         k = request.num_speculative_tokens or default_num_speculative_tokens(proposer)
-        plan = SpeculationSchedule(k, schedule)
+        plan = SpeculationSchedule(k, schedule, self.pass_costs, greedy=sampling.greedy)
         tree = request.tree
         spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None
         if spec_tree is not None:

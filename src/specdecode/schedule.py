@@ -6,12 +6,15 @@ never touches tokens, so it cannot change what is generated under greedy decodin
 sampling every step is still exact rejection sampling: k is chosen *before* the step is drafted
 and verified, from earlier steps only, and the target distribution holds for any k.
 
-- ``constant``: k = ``num_speculative_tokens`` every step.
+- ``constant``: k = ``num_speculative_tokens`` every step; a greedy request's copied drafts (prompt
+  lookup, a prediction) pass the draft gate (:mod:`specdecode.draft_gate`: sent only as far as this
+  request's acceptance and this machine's measured pass costs say they pay). The default.
+- ``ungated``: ``constant`` without the draft gate: every draft is sent.
 - ``heuristic``: start at ``num_speculative_tokens``; after a step whose draft was accepted in
   full, k += 2; after a rejection, k -= 1; within [1, ``max_speculative_tokens``]. This is the
   schedule of Hugging Face assisted generation (``num_assistant_tokens_schedule="heuristic"``,
   ``AssistedCandidateGenerator.update_candidate_strategy``), which follows the accepted length
-  without any model of cost.
+  without any model of cost. Gated as ``constant``.
 - ``adaptive``: per step, the k in {0, 1, ..., ``max_speculative_tokens``} with the highest
   expected tokens per second under a model measured during the request (k = 0: plain decoding).
   Growth to long drafts when the proposer is good, and falling back to plain decoding when it is
@@ -71,10 +74,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens
+from specdecode.proposers.base import DraftTokens
 
-ScheduleKind = Literal["constant", "heuristic", "adaptive"]
-SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "adaptive")
+ScheduleKind = Literal["constant", "heuristic", "adaptive", "ungated"]
+SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "adaptive", "ungated")
+GATED: tuple[str, ...] = ("constant", "heuristic")  # the kinds whose greedy requests pass the draft gate
 VERIFY_SLOPE_WEIGHT = 1.0  # ridge weight of the prior slope of t_verify, in (weight x tokens^2) of observations
 
 
@@ -168,12 +174,27 @@ class SpeculationSchedule:
     Args:
         num_speculative_tokens: the starting k (the constant k for ``constant``), >= 1.
         config: :class:`ScheduleConfig`, or a kind name.
+        costs: the generator's measured :class:`~specdecode.draft_gate.PassCosts`; with ``greedy`` and a
+            gated kind (:data:`GATED`), copied drafts pass a :class:`~specdecode.draft_gate.DraftGate`
+            (:meth:`trim`). None: no gate.
+        greedy: the request decodes greedily (sampled requests are never gated: see
+            :mod:`specdecode.draft_gate`).
+
+    Attributes:
+        gate: the request's :class:`~specdecode.draft_gate.DraftGate`, or None.
     """
 
-    def __init__(self, num_speculative_tokens: int, config: ScheduleConfig | str = "constant") -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        config: ScheduleConfig | str = "constant",
+        costs: PassCosts | None = None,
+        greedy: bool = False,
+    ) -> None:
         self.config = ScheduleConfig(kind=config) if isinstance(config, str) else config  # type: ignore[arg-type]
+        self.gate = DraftGate(costs) if costs is not None and greedy and self.config.kind in GATED else None
         start = num_speculative_tokens
-        if self.config.kind == "constant":
+        if self.config.kind in ("constant", "ungated"):
             self.max_k = start
         else:
             self.max_k = max(start, self.config.max_speculative_tokens or min(MAX_SPECULATIVE_TOKENS, 4 * start))
@@ -285,6 +306,16 @@ class SpeculationSchedule:
         return 0
 
     # ------------------------------------------------------------------ the engine's interface
+    def trim(self, draft: DraftTokens) -> DraftTokens:
+        """The draft the target verifies: ``draft`` cut by the draft gate (copied drafts of a gated
+        greedy request), else unchanged."""
+        return self.gate.trim(draft) if self.gate is not None else draft
+
+    @property
+    def gated_tokens(self) -> int:
+        """Drafted tokens the gate kept from the target in this request."""
+        return self.gate.gated_tokens if self.gate is not None else 0
+
     def next_k(self) -> int:
         """Tokens to draft at the next step: 0 (plain step) or in [1, :attr:`max_k`]."""
         if self.config.kind != "adaptive":
@@ -310,10 +341,12 @@ class SpeculationSchedule:
         verifying, of which ``draft_time_s`` proposing and ``target_time_s`` the target pass and
         verification (adaptive only; ``target_time_s`` None: the rest of the step; both None: see
         the module docstring)."""
+        if self.gate is not None:
+            self.gate.observe(num_drafted, num_accepted)
         if self.config.kind == "adaptive":
             self._update_adaptive(num_drafted, num_accepted, step_time_s, draft_time_s, target_time_s)
             return
-        if num_drafted == 0 or self.config.kind == "constant":  # a proposer with nothing to offer
+        if num_drafted == 0 or self.config.kind in ("constant", "ungated"):  # a proposer with nothing to offer
             return
         self.k = min(self.max_k, self.k + 2) if num_accepted == num_drafted else max(1, self.k - 1)
 

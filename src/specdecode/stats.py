@@ -61,6 +61,8 @@ class SpecStats:
             proposer's ``pass_kind``. Not in :meth:`to_dict`.
         accepted_per_step: draft tokens accepted at each verification step, in order; not in
             :meth:`to_dict`.
+        gated_draft_tokens: drafted tokens the draft gate kept from the target (copied drafts it
+            expected not to pay: :mod:`specdecode.draft_gate`).
         prediction: with a prediction (OpenAI's Predicted Outputs), its
             :class:`~specdecode.proposers.prediction.PredictionRecord` (tokens of the prediction,
             accepted and rejected ones); None without one. In :meth:`to_dict` as its fields.
@@ -94,6 +96,7 @@ class SpecStats:
     draft_pass_widths: list[int] = field(default_factory=list)
     draft_pass_kind: str = "draft"
     accepted_per_step: list[int] = field(default_factory=list)
+    gated_draft_tokens: int = 0
     prediction: Any = None  # PredictionRecord | None (specdecode.proposers.prediction)
 
     def __post_init__(self) -> None:
@@ -181,5 +184,6 @@ class SpecStats:
             "forced_draft_tokens": self.forced_draft_tokens,
             "forced_accepted_tokens": self.forced_accepted_tokens,
             "cut_draft_tokens": self.cut_draft_tokens,
+            "gated_draft_tokens": self.gated_draft_tokens,
             **(self.prediction.to_dict() if self.prediction is not None else {}),
         }

@@ -441,7 +441,7 @@ for _spec in LIBRARY_PROPOSERS.values():  # every proposer of the library, with 
 def _prediction_fallback(models: BenchModels) -> Proposer:
     """The ``prediction`` method's proposer where the prediction has nothing: prompt lookup after
     3-token matches (:data:`~specdecode.models.backends.DEFAULT_PROPOSER` on llama.cpp)."""
-    return PromptLookupProposer(PromptLookupConfig(min_ngram=3))
+    return PromptLookupProposer(PromptLookupConfig(min_ngram=3, max_ngram=8))
 
 
 register_method(

@@ -92,7 +92,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     quick = (
         "the shortest prompt per category, 64 tokens, methods: target, the backend's default proposer and "
-        "its peer (llamacpp: target,prompt_lookup(min_ngram=3),llamacpp; torch: target,draft_model,hf_assisted)"
+        "its peer (llamacpp: target,prompt_lookup(min_ngram=3,max_ngram=8),llamacpp; torch: target,draft_model,"
+        "hf_assisted)"
     )
     b.add_argument("--quick", action="store_true", help=quick)
     b.add_argument("--out", metavar="DIR", help="output folder (default: bench-results/<timestamp>)")
@@ -143,7 +144,7 @@ def parse_ks(text: str) -> list[int]:
 def quick_methods(backend: str, draft: str | None = None) -> str:
     """``--quick``'s methods on ``backend`` (a resolved one): the target alone, the proposer ``generate``
     runs by default there (:func:`~specdecode.models.backends.default_proposer`, with its options:
-    ``prompt_lookup(min_ngram=3)`` on llama.cpp, ``draft_model`` on torch or with ``--draft``) and
+    ``prompt_lookup(min_ngram=3,max_ngram=8)`` on llama.cpp, ``draft_model`` on torch or with ``--draft``) and
     the backend's peer (:data:`QUICK_PEERS`): only methods ``backend`` runs."""
     from specdecode.models.backends import default_proposer
 

@@ -90,9 +90,11 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument(
         "--schedule",
         default="constant",
-        choices=["constant", "heuristic", "adaptive"],
+        choices=["constant", "heuristic", "adaptive", "ungated"],
         help="k per step: constant (default), heuristic (grow after full acceptance, shrink after a "
-        "rejection), adaptive (heuristic + measured fallback to plain decoding)",
+        "rejection), adaptive (heuristic + measured fallback to plain decoding); constant and heuristic pass "
+        "greedy copied drafts (prompt lookup, --prediction) through the draft gate (sent only as far as "
+        "measured acceptance and pass costs say they pay), ungated is constant without it",
     )
     p.add_argument(
         "--tree",

@@ -87,10 +87,15 @@ class DraftTokens:
         ids: int64 ``[k]`` drafted tokens (k may be 0: nothing to propose this step), on the CPU.
         probs: float32 ``[k, V]`` the distributions q the ids were sampled from, or None for a
             deterministic proposal (treated as one-hot q by the verifier; always None when greedy).
+        evidence: for a draft copied from an earlier occurrence of the context's last n tokens
+            (prompt lookup, a prediction), ``(source, n)``, e.g. ``("prompt_lookup", 3)``: what the
+            draft gate (:mod:`specdecode.draft_gate`) estimates its acceptance by; None for other
+            drafts (never gated).
     """
 
     ids: torch.Tensor
     probs: torch.Tensor | None = None
+    evidence: tuple[str, int] | None = None
 
     @staticmethod
     def empty() -> DraftTokens:
@@ -102,7 +107,7 @@ class DraftTokens:
         probs = self.probs
         if self.ids.device.type == "cpu" and (probs is None or probs.device == device):
             return self
-        return DraftTokens(self.ids.cpu(), probs.to(device) if probs is not None else None)
+        return DraftTokens(self.ids.cpu(), probs.to(device) if probs is not None else None, self.evidence)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])

@@ -26,7 +26,7 @@ import torch
 
 from specdecode.limits import check_num_speculative_tokens
 from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
-from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuation, find_continuations
+from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuations, find_match
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, TreeSpec, trie_tree
 from specdecode.verify import VerifyResult
@@ -183,11 +183,11 @@ class LookupFirstProposer(ProposerBase):
         """The continuation of the longest matching n-gram (up to ``num_tokens`` tokens, ``probs=None``)
         when the context's last ``min_ngram`` .. ``max_ngram`` tokens occurred earlier; else the model's
         draft of up to ``min(num_tokens, model_k)`` tokens. See :meth:`~specdecode.proposers.base.Proposer.propose`."""
-        ids = find_continuation(context, num_tokens, self.max_ngram, self.min_ngram)  # (m,)
+        ids, n = find_match(context, num_tokens, self.max_ngram, self.min_ngram)  # (m,)
         self._model_drafted = not ids.numel()
         if ids.numel():
             self.lookup_steps += 1
-            return DraftTokens(ids)
+            return DraftTokens(ids, None, ("prompt_lookup", n))
         self.model_steps += 1
         return self.model.propose(context, min(num_tokens, self.model_k), sampling, generator)
 

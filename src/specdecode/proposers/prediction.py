@@ -301,7 +301,7 @@ class PredictionProposer(ProposerBase):
             length = min(num_tokens, math.ceil(self.config.max_spec_factor * n - 1e-9), L - start)
             self._drafted_at = start
             self.record.prediction_steps += 1
-            return DraftTokens(self.prediction[start : start + length].clone())
+            return DraftTokens(self.prediction[start : start + length].clone(), None, ("prediction", n))
         self._drafted_at = None
         if self.fallback is None:
             return DraftTokens.empty()

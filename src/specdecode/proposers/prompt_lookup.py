@@ -81,6 +81,13 @@ def _ngram_hits(context: torch.Tensor, max_ngram: int, min_ngram: int) -> Iterat
 def find_continuation(
     context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int, max_spec_factor: float | None = None
 ) -> torch.Tensor:
+    """The tokens of :func:`find_match` (int64 ``[m]``, empty when nothing matches)."""
+    return find_match(context, num_tokens, max_ngram, min_ngram, max_spec_factor)[0]
+
+
+def find_match(
+    context: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: int, max_spec_factor: float | None = None
+) -> tuple[torch.Tensor, int]:
     """The tokens that followed an earlier occurrence of the context's last n tokens.
 
     n runs from ``max_ngram`` down to ``min_ngram``; the first n with a match wins (longer
@@ -96,7 +103,8 @@ def find_continuation(
             draft after a match of n tokens to ``ceil(factor * n)``).
 
     Returns:
-        int64 ``[m]`` with 0 <= m <= k (empty when nothing matches).
+        ``(ids, n)``: int64 ``[m]`` with 0 <= m <= k, and the length of the match they continue
+        (empty and 0 when nothing matches).
     """
     T = context.shape[0]
     for n, hits in _ngram_hits(context, max_ngram, min_ngram):
@@ -104,8 +112,8 @@ def find_continuation(
             length = draft_length(num_tokens, n, max_spec_factor)
             full = hits[hits + n + length <= T]  # matches followed by `length` tokens
             start = int(full[-1] if full.numel() else hits[0]) + n
-            return context[start : start + length].clone()
-    return torch.empty(0, dtype=torch.int64)
+            return context[start : start + length].clone(), n
+    return torch.empty(0, dtype=torch.int64), 0
 
 
 def find_continuations(
@@ -163,8 +171,8 @@ class PromptLookupProposer(ProposerBase):
         generator: torch.Generator | None,
     ) -> DraftTokens:
         c = self.config
-        ids = find_continuation(context, num_tokens, c.max_ngram, c.min_ngram, c.max_spec_factor)
-        return DraftTokens(ids)
+        ids, n = find_match(context, num_tokens, c.max_ngram, c.min_ngram, c.max_spec_factor)
+        return DraftTokens(ids, None, ("prompt_lookup", n) if n else None)
 
     def propose_tree(
         self,

@@ -1,0 +1,154 @@
+"""Replay prompt-lookup drafting policies on recorded target answers, priced with a cost table.
+
+Exact decoding fixes the answer, so what any deterministic proposer would have drafted, and how
+much of it the target accepts, follows from the target alone's answer: at a context of the prompt
+plus ``answer[:t]``, a draft is accepted up to its first token that differs from ``answer[t:]``.
+Each step is priced as llama.cpp's exact mode runs it: a pass of the root and d drafts split into
+chunks of ``--chunk`` tokens, stopping after the first chunk whose argmax disagrees (a wrong draft
+costs its chunk), plus the table's ``step_ms``; a step without a draft costs a one-token pass.
+
+Usage (the records of a ``specdecode bench`` run that has a ``target`` method with token ids, its
+prompts rebuilt from the same questions)::
+
+    python lab/scripts/lookup_gate_replay.py lab/results/llamacpp-epyc-avx512-exact/results.json \
+        --table lab/results/cost-table-epyc/exact/table.json
+
+Prints, per category and overall, each policy's priced speedup over the target alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from specdecode.bench.cost_table import CostTable, load_cost_table
+from specdecode.bench.prompts import encode_chat, load_prompts
+from specdecode.draft_gate import DraftGate, PassCosts
+from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer, find_continuation
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def step_cost(table: CostTable, d: int, n: int, chunk: int) -> float:
+    """ms of a step drafting d tokens of which n are accepted (exact mode: chunks, early stop)."""
+    if d == 0:
+        return table.target(1) + (table.step_ms or 0.0)
+    width = d + 1
+    chunks = (n // chunk + 1) if n < d else math.ceil(width / chunk)
+    cost, left = 0.0, width
+    for _ in range(chunks):
+        w = min(chunk, left)
+        cost += table.target(w)
+        left -= w
+    return cost + (table.step_ms or 0.0)
+
+
+Policy = Callable[[torch.Tensor, int], list[int]]
+
+
+def replay(
+    prompt: list[int], answer: list[int], propose: Policy, observe: Callable, table: CostTable, chunk: int
+) -> tuple[float, int]:
+    """(ms, steps) to decode ``answer`` after ``prompt`` with the policy."""
+    context = prompt + answer
+    t, ms, steps = 1, table.target(1) * 0, 0  # the first token comes from the prefill (same for all)
+    while t < len(answer):
+        room = len(answer) - t - 1
+        draft = propose(torch.tensor(context[: len(prompt) + t]), max(0, min(8, room)))[: max(0, room)]
+        n = lcp(draft, answer[t:])
+        ms += step_cost(table, len(draft), n, chunk)
+        observe(len(draft), n)
+        t += n + 1
+        steps += 1
+    return ms, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results")
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--chunk", type=int, default=3)
+    default_tokenizer = Path.home() / ".cache/specdecode/models/Qwen2.5-Coder-1.5B-Instruct-bf16"
+    parser.add_argument("--tokenizer", default=str(default_tokenizer))
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    table = load_cost_table(args.table)
+    data = json.loads(Path(args.results).read_text())
+    settings = data.get("settings", {})
+    records = [r for r in data["records"] if r["method"] == "target"]
+    prompts = {}
+    cats = settings.get("categories")
+    for p in load_prompts(None, cats, settings.get("prompts_per_category")):
+        prompts[(str(p.question_id), p.group)] = p
+    answers = {(str(r["question_id"]), r["group"], r["turn"]): r["token_ids"] for r in records}
+
+    def policies() -> dict[str, tuple[Policy, Callable]]:
+        out = {}
+        for name, low in (("min1", 1), ("min2", 2), ("min3 (default)", 3), ("min4", 4), ("min5", 5)):
+            out[name] = (lambda ctx, k, low=low: find_continuation(ctx, k, max(4, low), low, 2.0).tolist(),
+                         lambda d, n: None)
+        measured = PassCosts()
+        for w in range(1, 34):  # the table's exact-mode curve: full passes of w rows
+            measured.ms[w] = table.target(w)
+        measured.step_ms, measured.chunk = table.step_ms or 0.0, args.chunk
+        gates = {}
+        for name, low, high in (("gate", 3, 4), ("gate_max8", 3, 8), ("gate_max16", 3, 16)):
+            gate = DraftGate(measured)
+            lookup = PromptLookupProposer(PromptLookupConfig(min_ngram=low, max_ngram=high))
+            gates[name] = gate
+
+            def propose(
+                ctx: torch.Tensor, k: int, gate: DraftGate = gate, lookup: PromptLookupProposer = lookup
+            ) -> list[int]:
+                return gate.trim(lookup.propose(ctx, k, None, None)).ids.tolist()  # type: ignore[arg-type]
+
+            out[name] = (propose, gate.observe)
+        out["_gate"] = gates
+        return out
+
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (qid, group, turn), answer in sorted(answers.items()):
+        prompt = prompts.get((qid, group))
+        if prompt is None:
+            continue
+        messages = []
+        for i, user in enumerate(prompt.turns[: turn + 1]):
+            messages.append({"role": "user", "content": user})
+            if i < turn:
+                previous = answers[(qid, group, i)]
+                messages.append({"role": "assistant", "content": tokenizer.decode(previous, skip_special_tokens=True)})
+        ids = encode_chat(tokenizer, messages)
+        plain = sum(step_cost(table, 0, 0, args.chunk) for _ in range(len(answer) - 1))
+        pols = policies()
+        for name, gate in pols.pop("_gate").items():  # a fresh gate per request
+            fresh = DraftGate(gate.costs)
+            gate.__dict__.update(fresh.__dict__)
+        for name, (propose, observe) in pols.items():
+            ms, _ = replay(ids, answer, propose, observe, table, args.chunk)
+            totals[group][name] += ms
+            totals["all"][name] += ms
+        totals[group]["plain"] += plain
+        totals["all"]["plain"] += plain
+    names = [n for n in next(iter(totals.values())) if n != "plain"]
+    print("category".ljust(16), *[n.rjust(15) for n in names])
+    for group, row in totals.items():
+        print(group.ljust(16), *[f"{row['plain'] / row[n]:15.3f}" for n in names])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The draft gate: send a copied draft to the target only as far as it is expected to pay.
+
+Prompt lookup and a prediction draft what followed an earlier occurrence of the context's last n
+tokens (:attr:`~specdecode.proposers.base.DraftTokens.evidence`: the source and n). Whether that
+pays depends on the machine and on the request: on a 2-core CPU a verification pass of 3 tokens
+costs 2-2.5 one-token passes, so a draft whose first token is accepted less than about half the
+time loses to plain decoding, while on a GPU almost any draft pays; and a 3-token match is right
+0.96 of the time in a HumanEval answer but far less in a math answer. The gate decides per step,
+from this request's own evidence and this machine's own measured pass costs:
+
+- **acceptance**: per source and match length (1, 2, 3, 4, 5+ tokens), a Beta estimate of the
+  probability that the draft's first token is accepted, and one (per request) of each later token
+  being accepted after the one before it; priors from the measurements below, worth a few trials;
+- **cost**: milliseconds of a target pass by the rows it computed (:class:`PassCosts`, kept per
+  generator: measured on every pass, before that ``c(1) * (1 + prior_slope * (w - 1))``), and the
+  host's work per step; where a greedy pass stops early at a wrong draft (llama.cpp's exact mode
+  verifies in chunks and stops after the first chunk whose argmax disagrees), the expected cost
+  counts only the chunks expected to run (the chunk width is learned from the passes that stopped);
+- **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
+  per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate.
+
+Drafts without evidence (a draft model's, EAGLE's) pass unchanged. Only greedy requests are gated:
+the gate reads the clock, and a seeded sampled request must draw the same tokens every run (the
+draws it consumes depend on what is drafted). Lossless either way: the gate only shortens a
+deterministic draft, from what earlier steps showed.
+
+Measured (``lab/scripts/lookup_gate_replay.py``: prompt lookup's drafts on the target's recorded
+answers to 30 turns of every Spec-Bench category and HumanEval, priced with measured cost tables;
+lab/notebook/2026-11-27-draft-gate.md): on the 2-core EPYC in exact mode, prompt lookup after
+3-token matches (n-grams up to 4) ran at 0.93-1.20x of plain decoding per category, gated with
+n-grams up to 8 at 0.99-1.21x (1.03x -> 1.06x overall); on the
+16-core Xeon's exact-mode table 0.98-1.53x, gated 0.98-1.54x (1.14x -> 1.15x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdecode.proposers.base import DraftTokens
+
+MAX_ROWS = 128
+"""Widths (rows computed per pass) whose cost is tracked."""
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Options of :class:`DraftGate`.
+
+    Attributes:
+        prior_first: prior probability that a draft's first token is accepted, by match length
+            (1 .. 5, 5 standing for 5 or more).
+        prior_weight: trials of evidence behind each ``prior_first`` (> 0).
+        prior_next: prior probability that a drafted token after an accepted one is accepted.
+        prior_next_weight: trials behind ``prior_next`` (> 0).
+        prior_slope: before a width is measured, a pass of w rows costs ``c(1) * (1 + prior_slope *
+            (w - 1))`` (2-core CPU: 0.55-0.9; a GPU: ~0.05). >= 0.
+        margin: draft only when the expected rate beats plain decoding's by this fraction (>= 0).
+        ema: weight of the newest pass in the moving average of its width's cost, in (0, 1].
+
+    Raises:
+        ValueError: a value outside its range (the message names it).
+    """
+
+    prior_first: tuple[float, float, float, float, float] = (0.3, 0.5, 0.7, 0.8, 0.85)
+    prior_weight: float = 2.0
+    prior_next: float = 0.8
+    prior_next_weight: float = 4.0
+    prior_slope: float = 0.6
+    margin: float = 0.0
+    ema: float = 0.2
+
+    def __post_init__(self) -> None:
+        if len(self.prior_first) != 5 or not all(0.0 <= p <= 1.0 for p in self.prior_first):
+            raise ValueError(f"prior_first must be 5 probabilities, got {self.prior_first!r}")
+        if not 0.0 <= self.prior_next <= 1.0:
+            raise ValueError(f"prior_next must be in [0, 1], got {self.prior_next!r}")
+        for name in ("prior_weight", "prior_next_weight"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.prior_slope < 0 or self.margin < 0:
+            raise ValueError(f"prior_slope and margin must be >= 0, got {self.prior_slope!r}, {self.margin!r}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
+
+
+@dataclass
+class PassCosts:
+    """What a target pass costs on this machine, measured on the passes decoding makes.
+
+    Attributes:
+        ms: moving average of milliseconds per pass by rows computed (index = rows), 0 = unmeasured.
+        step_ms: moving average of the host's work per step beyond the target pass (proposing,
+            verifying, Python), milliseconds; None before a step was measured.
+        chunk: rows a greedy pass computes before it can stop early (llama.cpp's exact mode: its
+            invariant chunk), learned from passes that stopped early; None: none seen (a pass
+            computes all its rows).
+    """
+
+    ema: float = 0.2
+    ms: list[float] = field(default_factory=lambda: [0.0] * (MAX_ROWS + 1))
+    step_ms: float | None = None
+    chunk: int | None = None
+
+    def observe(self, width: int, rows: int, target_s: float, step_s: float) -> None:
+        """One step: a pass fed ``width`` tokens, computed ``rows`` of them (fewer when it stopped
+        early) in ``target_s`` seconds, the whole step taking ``step_s``."""
+        if rows < 1 or rows > MAX_ROWS or target_s <= 0:
+            return
+        old = self.ms[rows]
+        self.ms[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
+        extra = 1000 * max(0.0, step_s - target_s)
+        self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
+        if rows < width:
+            self.chunk = rows if self.chunk is None else min(self.chunk, rows)
+
+    def cost(self, rows: int, prior_slope: float) -> float | None:
+        """ms of a pass computing ``rows`` rows: measured, else interpolated between measured widths,
+        else the prior line from ``c(1)``; None before a one-token pass was measured."""
+        rows = max(1, min(rows, MAX_ROWS))
+        if self.ms[rows]:
+            return self.ms[rows]
+        one = self.ms[1]
+        if not one:
+            return None
+        below = max((w for w in range(1, rows) if self.ms[w]), default=1)
+        above = min((w for w in range(rows + 1, MAX_ROWS + 1) if self.ms[w]), default=None)
+        if above is None:  # beyond the widest measured: the prior's slope from there
+            return self.ms[below] + one * prior_slope * (rows - below)
+        t = (rows - below) / (above - below)
+        return (1 - t) * self.ms[below] + t * self.ms[above]
+
+
+class DraftGate:
+    """The gate of one greedy request (see the module docstring).
+
+    Args:
+        costs: the generator's :class:`PassCosts` (shared by its requests: a property of the machine).
+        config: :class:`GateConfig`.
+
+    Attributes:
+        gated_tokens: drafted tokens this request's gate kept from the target.
+    """
+
+    def __init__(self, costs: PassCosts, config: GateConfig | None = None) -> None:
+        self.costs = costs
+        self.config = config or GateConfig()
+        c = self.config
+        self._first: dict[tuple[str, int], list[float]] = {}
+        self._next = [c.prior_next * c.prior_next_weight, c.prior_next_weight]
+        self._bucket: tuple[str, int] | None = None
+        self.gated_tokens = 0
+
+    def _estimate(self, bucket: tuple[str, int]) -> list[float]:
+        c = self.config
+        if bucket not in self._first:
+            self._first[bucket] = [c.prior_first[bucket[1] - 1] * c.prior_weight, c.prior_weight]
+        return self._first[bucket]
+
+    def expected(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
+        """(expected tokens, expected ms) of a step drafting d tokens whose first is accepted with
+        probability ``a1`` and each later one, after an accepted one, with ``q``; None while the
+        cost of a one-token pass is unknown.
+
+        A pass of ``w = d + 1`` rows that stops early runs its chunks of ``c`` rows in turn, chunk j
+        only when drafts 1 .. j*c were all accepted (probability ``A(j*c)``, ``A(m) = a1 q^(m-1)``,
+        ``A(0) = 1``); so it ends after chunk j with probability ``A(j*c) - A((j+1)*c)`` (the last
+        chunk: ``A(j*c)``), having computed ``min((j+1)*c, w)`` rows."""
+
+        def accepted_through(m: int) -> float:
+            return 1.0 if m == 0 else a1 * q ** (m - 1)
+
+        tokens = 1.0 + sum(accepted_through(i) for i in range(1, d + 1))
+        width, chunk, slope = d + 1, self.costs.chunk, self.config.prior_slope
+        ends = list(range(chunk, width, chunk)) + [width] if chunk is not None and chunk < width else [width]
+        cost, start = 0.0, 0
+        for j, end in enumerate(ends):
+            ms = self.costs.cost(end, slope)
+            if ms is None:
+                return None
+            last = j == len(ends) - 1
+            cost += (accepted_through(start) - (0.0 if last else accepted_through(end))) * ms
+            start = end
+        return tokens, cost + (self.costs.step_ms or 0.0)
+
+    def trim(self, draft: DraftTokens) -> DraftTokens:
+        """The draft cut to the length with the best expected rate (possibly empty); a draft without
+        ``evidence`` unchanged."""
+        self._bucket = None
+        if draft.evidence is None or not len(draft):
+            return draft
+        source, n = draft.evidence
+        bucket = (source, max(1, min(5, int(n))))
+        plain = self.expected(0.0, 0.0, 0)
+        if plain is None:  # no one-token pass measured yet: draft as proposed
+            return draft
+        successes, trials = self._estimate(bucket)
+        a1, q = successes / trials, self._next[0] / self._next[1]
+        best_d, best = 0, (1 + self.config.margin) * plain[0] / plain[1]
+        for d in range(1, len(draft) + 1):
+            found = self.expected(a1, q, d)
+            if found is not None and found[0] / found[1] > best:
+                best_d, best = d, found[0] / found[1]
+        self.gated_tokens += len(draft) - best_d
+        if best_d == 0:
+            return DraftTokens.empty()
+        self._bucket = bucket
+        return draft if best_d == len(draft) else DraftTokens(draft.ids[:best_d], None, draft.evidence)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After verification of a gated draft: ``accepted`` of ``drafted`` tokens kept."""
+        if self._bucket is None or drafted == 0:
+            return
+        first = self._first[self._bucket]
+        first[0] += accepted > 0
+        first[1] += 1
+        if accepted > 0 and drafted > 1:
+            self._next[0] += accepted - 1
+            self._next[1] += min(accepted, drafted - 1)  # later positions tried: up to the first rejection
+        self._bucket = None

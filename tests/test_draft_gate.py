@@ -1,0 +1,120 @@
+"""The draft gate (specdecode.draft_gate): measured pass costs, the expected cost of a chunked pass
+that stops early, the decision per match length learned within a request, and lossless decoding
+with the gate on (greedy identity; sampled requests are never gated)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdecode import SamplingParams, SpeculativeGenerator
+from specdecode.draft_gate import DraftGate, GateConfig, PassCosts
+from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.prompt_lookup import PromptLookupProposer
+from specdecode.schedule import SpeculationSchedule
+
+from reference import target_only_greedy
+
+
+def costs(per_row: list[float], step_ms: float = 0.0, chunk: int | None = None) -> PassCosts:
+    """Costs with ``per_row[w - 1]`` ms measured for a pass of w rows."""
+    measured = PassCosts()
+    for w, ms in enumerate(per_row, 1):
+        measured.ms[w] = ms
+    measured.step_ms, measured.chunk = step_ms, chunk
+    return measured
+
+
+def draft(n: int, d: int = 8, source: str = "prompt_lookup") -> DraftTokens:
+    return DraftTokens(torch.arange(d, dtype=torch.int64), None, (source, n))
+
+
+def test_pass_costs_measure_interpolate_and_learn_the_chunk() -> None:
+    measured = PassCosts(ema=0.5)
+    assert measured.cost(1, 0.6) is None  # nothing measured yet
+    measured.observe(1, 1, 0.010, 0.012)
+    assert measured.cost(1, 0.6) == pytest.approx(10.0) and measured.step_ms == pytest.approx(2.0)
+    assert measured.cost(3, 0.6) == pytest.approx(10.0 + 10.0 * 0.6 * 2)  # the prior line from c(1)
+    measured.observe(5, 5, 0.030, 0.030)
+    assert measured.cost(3, 0.6) == pytest.approx(20.0)  # between the measured 1 and 5
+    measured.observe(1, 1, 0.020, 0.020)
+    assert measured.cost(1, 0.6) == pytest.approx(15.0)  # a moving average
+    assert measured.chunk is None
+    measured.observe(9, 6, 0.025, 0.025)  # 9 tokens fed, 6 rows computed: it stopped early
+    measured.observe(9, 3, 0.015, 0.015)
+    assert measured.chunk == 3
+
+
+def test_expected_cost_of_a_chunked_pass_equals_enumeration() -> None:
+    """With chunks of 3, a pass of w rows stops after the first chunk holding a wrong draft: the
+    gate's expected cost equals the sum over every accept/reject pattern of the drafts."""
+    per_row = [10.0, 17.0, 23.0, 31.0, 38.0, 44.0, 52.0, 59.0, 66.0]
+    gate = DraftGate(costs(per_row, step_ms=1.0, chunk=3))
+    a1, q = 0.7, 0.8
+    for d in range(1, 9):
+        tokens, ms = gate.expected(a1, q, d)
+        want_tokens = want_ms = 0.0
+        for pattern in itertools.product([True, False], repeat=d):
+            p = 1.0
+            for i, ok in enumerate(pattern):
+                chance = a1 if i == 0 else (q if pattern[i - 1] else 0.5)  # after a rejection: irrelevant
+                p *= chance if ok else 1 - chance
+            accepted = next((i for i, ok in enumerate(pattern) if not ok), d)
+            rows = d + 1 if accepted == d else min(d + 1, 3 * (accepted // 3 + 1))
+            want_tokens += p * (accepted + 1)
+            want_ms += p * per_row[rows - 1]
+        assert tokens == pytest.approx(want_tokens) and ms == pytest.approx(want_ms + 1.0), d
+
+
+def test_the_gate_follows_costs_and_the_request_evidence() -> None:
+    cheap = costs([10.0] * 17)  # a GPU-like curve: any draft pays
+    assert len(DraftGate(cheap).trim(draft(1))) == 8
+    dear = costs([10.0 * w for w in range(1, 18)])  # every row costs a one-token pass: nothing pays
+    gate = DraftGate(dear)
+    assert len(gate.trim(draft(5))) == 0 and gate.gated_tokens == 8
+    two_core = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)  # the EPYC's
+    gate = DraftGate(two_core)
+    assert len(gate.trim(draft(1))) == 0  # a 1-token match is right 0.3 of the time: not worth a pass
+    assert len(gate.trim(draft(5))) > 0  # a 5-token match is
+    for _ in range(6):  # in this request, 5-token matches keep failing at once
+        kept = gate.trim(draft(5))
+        gate.observe(len(kept), 0)
+    assert len(gate.trim(draft(5))) == 0
+    assert len(gate.trim(draft(5, source="prediction"))) > 0  # a prediction's matches are their own evidence
+
+
+def test_drafts_without_evidence_and_sampled_requests_are_never_gated() -> None:
+    dear = costs([10.0 * w for w in range(1, 18)])
+    model_draft = DraftTokens(torch.arange(4, dtype=torch.int64))
+    assert DraftGate(dear).trim(model_draft) is model_draft
+    assert SpeculationSchedule(8, "constant", dear, greedy=False).gate is None
+    assert SpeculationSchedule(8, "ungated", dear, greedy=True).gate is None
+    assert SpeculationSchedule(8, "adaptive", dear, greedy=True).gate is None
+    assert SpeculationSchedule(8, "constant", dear, greedy=True).gate is not None
+    with pytest.raises(ValueError, match="prior_first"):
+        GateConfig(prior_first=(0.5,))
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 60, 11, 5, 17, 40, 2, 9, 77, 5, 88, 6, 5, 14], [40, 41, 42, 40, 41, 43]]
+
+
+@pytest.mark.parametrize("curve", ["cheap", "dear", "measured"])
+def test_greedy_with_the_gate_equals_target_only(tiny_target, curve: str) -> None:
+    """Whatever the gate decides (costs that make every draft pay, none, or the ones measured in
+    the run), the greedy output is the target alone's; with dear passes it keeps drafts back."""
+    generator = SpeculativeGenerator(tiny_target, proposer=PromptLookupProposer())
+    if curve != "measured":
+        per_row = [1.0] * 17 if curve == "cheap" else [float(w) for w in range(1, 18)]
+        generator.pass_costs = costs(per_row)
+        generator.pass_costs.ema = 1e-9  # the run's own timings barely move them
+    gated = 0
+    for prompt in PROMPTS:
+        result = generator.generate(prompt, SamplingParams(max_new_tokens=40), num_speculative_tokens=8)
+        assert result.token_ids == target_only_greedy(tiny_target, prompt, 40)
+        gated += result.stats.gated_draft_tokens
+    if curve == "dear":
+        assert gated > 0
+    if curve == "cheap":
+        assert gated == 0
