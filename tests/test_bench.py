@@ -543,3 +543,6 @@ def test_prediction_method_drafts_from_the_prompt_prediction(models, tmp_path):
     assert by_method["prediction"]["stats"]["accepted_prediction_tokens"] > 0
     assert by_method["prediction"]["settings"]["num_speculative_tokens"] == 16
     assert "accepted_prediction_tokens" not in by_method["prompt_lookup"]["stats"]
+    variant = run_bench(models, [prompt], expand(["prediction(k=4)+ungated"], [None]), SETTINGS, progress=False,
+                        warmup=False)["records"][0]  # fmt: skip
+    assert variant["stats"]["accepted_prediction_tokens"] > 0 and variant["settings"]["num_speculative_tokens"] == 4

@@ -278,6 +278,8 @@ class Method:
             methods when the target is not one.
         factory: for a method of our engine with a proposer, ``factory(models)`` builds the
             proposer (once per run: :meth:`BenchModels.generator`); None otherwise.
+        uses_prediction: drafts from a turn's prediction (the ``prediction`` method and its variants,
+            e.g. ``prediction+ungated``, ``prediction(k=32)``).
         by_default: among the methods a run takes when none are named (``prediction`` is not: it
             differs from prompt lookup only on prompts with a prediction, the ``code_edit`` category).
     """
@@ -291,6 +293,7 @@ class Method:
     backends: tuple[str, ...] = ("torch", "llamacpp")
     needs_gguf: bool = False
     factory: Callable[[BenchModels], Proposer] | None = None
+    uses_prediction: bool = False
     by_default: bool = True
 
 
@@ -450,6 +453,7 @@ register_method(
         _engine_run("prediction", factory=_prediction_fallback, uses_prediction=True),
         uses_k=True,
         factory=_prediction_fallback,
+        uses_prediction=True,
         by_default=False,
     )
 )
@@ -582,7 +586,7 @@ def parse_method(text: str) -> Method:
     else:
         factory = base.factory  # type: ignore[assignment]
     needs_draft = base.needs_draft and draft is None
-    run = _engine_run(key, schedule, tree, fixed_k=fixed_k, factory=factory)
+    run = _engine_run(key, schedule, tree, fixed_k=fixed_k, factory=factory, uses_prediction=base.uses_prediction)
     return Method(
         label,
         run,
@@ -591,6 +595,7 @@ def parse_method(text: str) -> Method:
         fixed_k=fixed_k,
         backends=LIBRARY[name].backends if name in LIBRARY else base.backends,
         factory=factory,
+        uses_prediction=base.uses_prediction,
     )
 
 
