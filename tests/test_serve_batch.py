@@ -9,10 +9,7 @@ import copy
 import pytest
 import torch
 
-from specdecode.models.torch.batch import TorchBatchedRunner
-from specdecode.models.torch.runner import ModelRunner
-from specdecode.schedule import acceptance_trials
-from specdecode.serve.cost import (
+from specdecode.cost.serve_model import (
     AcceptanceEstimate,
     CostModel,
     default_batch_grid,
@@ -21,6 +18,9 @@ from specdecode.serve.cost import (
     monotone,
     plan_speculation,
 )
+from specdecode.models.torch.batch import TorchBatchedRunner
+from specdecode.models.torch.runner import ModelRunner
+from specdecode.schedule import acceptance_trials
 
 from conftest import make_tiny_model
 

@@ -1,6 +1,6 @@
 """A disk cache of the server's start-up cost model: a restarted server reuses its measurement.
 
-``specdecode serve --speculation adaptive`` measures a :class:`~specdecode.serve.cost.CostModel`
+``specdecode serve --speculation adaptive`` measures a :class:`~specdecode.cost.serve_model.CostModel`
 before it serves (:meth:`Scheduler.calibrate <specdecode.serve.scheduler.Scheduler.calibrate>`:
 every batch size of the grid up to ``--max-batch-size`` times every tokens-per-row width, and the
 default proposer's draft cost), a few minutes of the machine with the default pair on 2 cores. The
@@ -28,7 +28,7 @@ file in clear too (a file under the key with other ingredients is ignored as cor
   GPUs torch sees;
 - :data:`FORMAT`, raised whenever the file's layout changes, and a hash of the measuring code
   (:func:`method_identity` of what the scheduler names: the source of
-  :func:`~specdecode.serve.cost.measure_target_costs`, :func:`~specdecode.serve.cost.measure_draft_cost`
+  :func:`~specdecode.cost.serve_model.measure_target_costs`, :func:`~specdecode.cost.serve_model.measure_draft_cost`
   and its ``calibrate`` and ``_calibration_grid``), so a change of how it measures (its context,
   repeats, grid) is a new key without anybody remembering to raise :data:`FORMAT`.
 
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.serve.cost import CostModel
+from specdecode.cost.serve_model import CostModel
 
 log = logging.getLogger("specdecode.serve")
 
