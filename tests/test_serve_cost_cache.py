@@ -161,7 +161,7 @@ def test_the_key_follows_every_ingredient(chat_models, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(cost_cache.os, "cpu_count", lambda: 1024)
         changed["cores"] = key_of(target, draft)
-    from specdecode.cost.serve_model import measure_draft_cost, measure_target_costs
+    from specdecode.cost.serve_measure import measure_draft_cost, measure_target_costs
 
     def changed_measurement(model, batch_sizes, tokens, context=64, repeats=5):  # noqa: ANN001, ANN202
         """A changed measurement (say, its repeats)."""

@@ -370,7 +370,7 @@ def test_trained_drafters_read_the_batched_targets_features(chat_models, tiny_to
     and each drafter accepts exactly as many tokens as it does alone in the engine, which reads the
     features of a one-sequence pass (features at the wrong positions would change what it drafts)."""
     from specdecode import SpeculativeGenerator
-    from specdecode.cost.serve_model import measure_draft_cost
+    from specdecode.cost.serve_measure import measure_draft_cost
     from specdecode.drafters import default_drafter_dir, save_drafter
     from specdecode.proposers import make_proposer
     from test_drafters import distill, make_drafter
@@ -477,7 +477,7 @@ def test_in_own_thread_returns_raises_and_leaves_no_thread_behind() -> None:
     that ran a pass: see ``in_own_thread``); the result and errors reach the caller."""
     import threading
 
-    from specdecode.cost.serve_model import in_own_thread
+    from specdecode.cost.serve_measure import in_own_thread
 
     before = threading.active_count()
     seen: list[threading.Thread] = []

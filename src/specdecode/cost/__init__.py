@@ -9,8 +9,9 @@ Two consumers, one home:
   :mod:`~specdecode.cost.measure` (measuring such a table here: ``specdecode cost-table``).
 - ``specdecode serve --speculation adaptive`` decides each step how many tokens each sequence
   drafts from a cost model measured at start-up: :mod:`~specdecode.cost.serve_model` (the model,
-  the per-sequence acceptance estimate and the per-step plan) and :mod:`~specdecode.cost.cache`
-  (the start-up measurement kept on disk, so a restart reuses it).
+  the per-sequence acceptance estimate and the per-step plan), :mod:`~specdecode.cost.serve_measure`
+  (the start-up measurement) and :mod:`~specdecode.cost.cache` (that measurement kept on disk, so a
+  restart reuses it).
 
 The engine's draft gate reads pass costs measured while decoding instead
 (:class:`specdecode.draft_gate.PassCosts`). Importing this package imports nothing.

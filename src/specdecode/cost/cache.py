@@ -28,7 +28,7 @@ file in clear too (a file under the key with other ingredients is ignored as cor
   GPUs torch sees;
 - :data:`FORMAT`, raised whenever the file's layout changes, and a hash of the measuring code
   (:func:`method_identity` of what the scheduler names: the source of
-  :func:`~specdecode.cost.serve_model.measure_target_costs`, :func:`~specdecode.cost.serve_model.measure_draft_cost`
+  :func:`~specdecode.cost.serve_measure.measure_target_costs`, :func:`~specdecode.cost.serve_measure.measure_draft_cost`
   and its ``calibrate`` and ``_calibration_grid``), so a change of how it measures (its context,
   repeats, grid) is a new key without anybody remembering to raise :data:`FORMAT`.
 

@@ -43,15 +43,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specdecode.cost.serve_model import (
-    INITIAL_ACCEPTANCE,
-    CostModel,
-    default_batch_grid,
-    in_own_thread,
-    measure_draft_cost,
-    measure_target_costs,
-    plan_speculation,
-)
+from specdecode.cost.serve_measure import default_batch_grid, in_own_thread, measure_draft_cost, measure_target_costs
+from specdecode.cost.serve_model import INITIAL_ACCEPTANCE, CostModel, plan_speculation
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
