@@ -161,18 +161,15 @@ def test_the_key_follows_every_ingredient(chat_models, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(cost_cache.os, "cpu_count", lambda: 1024)
         changed["cores"] = key_of(target, draft)
-    from specdecode.cost.serve_measure import measure_draft_cost, measure_target_costs
+    from specdecode.cost import serve_measure
 
-    def changed_measurement(model, batch_sizes, tokens, context=64, repeats=5):  # noqa: ANN001, ANN202
-        """A changed measurement (say, its repeats)."""
-
-    changed["method"] = key_of(target, draft, measuring=(measure_target_costs, measure_draft_cost))
-    changed["changed method"] = key_of(target, draft, measuring=(changed_measurement, measure_draft_cost))
-    assert key_of(target, draft, measuring=(measure_target_costs,)) == key_of(
-        target, draft, measuring=(measure_target_costs,))  # fmt: skip
-    with monkeypatch.context() as m:  # no source to read (a zipped install): FORMAT alone stands for it
-        m.setattr("inspect.getsource", lambda obj: (_ for _ in ()).throw(OSError("no source")))
-        assert cost_cache.method_identity([measure_target_costs]) == "unknown"
+    assert base.ingredients["measurement"] == serve_measure.MEASUREMENT_VERSION  # a number, not the code's source
+    with monkeypatch.context() as m:  # the measurement changed what it returns, and said so
+        m.setattr(serve_measure, "MEASUREMENT_VERSION", serve_measure.MEASUREMENT_VERSION + 1)
+        changed["measurement"] = key_of(target, draft)
+    with monkeypatch.context() as m:
+        m.setattr(cost_cache, "FORMAT", cost_cache.FORMAT + 1)
+        changed["format"] = key_of(target, draft)
     digests = {name: key.digest for name, key in changed.items()}
     assert base.digest not in digests.values(), digests
     assert len(set(digests.values())) == len(digests), digests

@@ -5,7 +5,8 @@
 target pass costs on a grid of batch sizes and tokens per row (:func:`measure_target_costs`, the
 grid from :func:`default_batch_grid`) and what its default proposer takes per drafted token
 (:func:`measure_draft_cost`), in a thread that ends with the measurement (:func:`in_own_thread`).
-A restarted server may load that measurement from disk instead (:mod:`specdecode.cost.cache`).
+A restarted server may load that measurement from disk instead (:mod:`specdecode.cost.cache`),
+under a key that includes :data:`MEASUREMENT_VERSION`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ from transformers import PreTrainedModel
 from specdecode.cost.serve_model import CostModel
 from specdecode.engine import needs_features
 from specdecode.sampling import SamplingParams
+
+MEASUREMENT_VERSION = 1
+"""The version of the start-up measurement, part of the cost cache's key (:func:`specdecode.cost.cache.cost_key`).
+
+Raise it when the measurement changes what it returns: :func:`measure_target_costs`,
+:func:`monotone`, :func:`measure_draft_cost`, or what
+:meth:`Scheduler.calibrate <specdecode.serve.scheduler.Scheduler.calibrate>` and its
+``_calibration_grid`` measure (the context, the repeats, which pass is kept, the grid's rule). A
+stored model measured otherwise is then measured again instead of loaded. Editing their comments
+or docstrings leaves it alone. (The grid itself, the models, the versions of the libraries and the
+machine are in the key already.)
+"""
 
 
 def in_own_thread(fn: Callable[[], Any]) -> Any:

@@ -227,7 +227,6 @@ class Scheduler:
                 proposer=self.settings.proposer,
                 proposer_options=self.settings.proposer_options,
                 k=k,
-                measuring=(measure_target_costs, measure_draft_cost, Scheduler.calibrate, Scheduler._calibration_grid),
             )
             cached = None if remeasure else load_cost_model(key, cache_folder)
             if cached is not None:
@@ -285,7 +284,10 @@ class Scheduler:
         return default_batch_grid(self.settings.max_batch_size), sorted({1, 2, 3, k // 2 + 1, k + 1}), k
 
     def calibrate(self) -> CostModel:
-        """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`specdecode.cost.serve_model`)."""
+        """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`specdecode.cost.serve_model`).
+
+        A change of what it (or :meth:`_calibration_grid`) measures raises
+        :data:`~specdecode.cost.serve_measure.MEASUREMENT_VERSION`, so stored measurements are not reused."""
         tic = time.perf_counter()
         batch_sizes, tokens, k = self._calibration_grid()
         cost = measure_target_costs(self.target, batch_sizes, tokens)  # own cache
