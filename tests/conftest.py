@@ -99,7 +99,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def serve_cost_cache_in_tmp(tmp_path_factory, monkeypatch):
     """``specdecode serve`` stores its measured cost model in the user's cache
-    (:mod:`specdecode.serve.cost_cache`); tests that run the command, in this process or in a
+    (:mod:`specdecode.cost.cache`); tests that run the command, in this process or in a
     subprocess, store theirs in a folder of their own instead (the default models stay in the real
     cache)."""
     monkeypatch.setenv("SPECDECODE_SERVE_COST_CACHE", str(tmp_path_factory.mktemp("serve-cost")))

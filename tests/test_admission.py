@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 import specdecode.drafters
 import specdecode.drafters.heads
 import specdecode.serve.admission as admission_module
+from specdecode.cost.serve_model import CostModel
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, MIN_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.sampling import SamplingParams
 from specdecode.serve.admission import Admission
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.cost import CostModel
 from specdecode.serve.request import InvalidRequestError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 from specdecode.serve.server import build_app

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from specdecode.bench.cost_table import (
+from specdecode.commands.main import main
+from specdecode.cost.table import (
     PACKAGED,
     CostCurve,
     load_cost_table,
@@ -16,7 +17,6 @@ from specdecode.bench.cost_table import (
     price,
     unpriced_drafts,
 )
-from specdecode.commands.main import main
 
 from conftest import make_tiny_model, make_tiny_tokenizer, perturbed_copy
 

@@ -1,4 +1,4 @@
-"""``specdecode cost-table``: a pass-cost table measured here (specdecode.bench.measure_costs), in the
+"""``specdecode cost-table``: a pass-cost table measured here (specdecode.cost.measure), in the
 format ``bench --cost-table`` reads back."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from specdecode.bench.cost_table import load_cost_table, parse_cost_table
-from specdecode.bench.measure_costs import CostSettings, measure_cost_table, pass_curve
 from specdecode.commands.main import main
+from specdecode.cost.measure import CostSettings, measure_cost_table, pass_curve
+from specdecode.cost.table import load_cost_table, parse_cost_table
 
 from conftest import make_tiny_model
 

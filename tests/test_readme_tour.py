@@ -133,7 +133,7 @@ def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
         assert lines[-2].startswith("--backend auto: llamacpp"), done.stdout
         assert lines[-1].startswith("--device auto (torch): "), done.stdout
     elif argv[0] == "cost-table":  # a table bench --cost-table reads back, of both models
-        from specdecode.bench.cost_table import load_cost_table
+        from specdecode.cost.table import load_cost_table
 
         table = load_cost_table(tmp_path / argv[argv.index("--out") + 1])
         assert table.target.widths == (1, 3) and table.draft is not None and table.step_ms is not None

@@ -9,18 +9,11 @@ import copy
 import pytest
 import torch
 
+from specdecode.cost.serve_measure import default_batch_grid, measure_target_costs, monotone
+from specdecode.cost.serve_model import AcceptanceEstimate, CostModel, expected_tokens, plan_speculation
 from specdecode.models.torch.batch import TorchBatchedRunner
 from specdecode.models.torch.runner import ModelRunner
 from specdecode.schedule import acceptance_trials
-from specdecode.serve.cost import (
-    AcceptanceEstimate,
-    CostModel,
-    default_batch_grid,
-    expected_tokens,
-    measure_target_costs,
-    monotone,
-    plan_speculation,
-)
 
 from conftest import make_tiny_model
 

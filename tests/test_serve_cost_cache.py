@@ -1,4 +1,4 @@
-"""The server's start-up cost model on disk (:mod:`specdecode.serve.cost_cache`): a JSON round trip
+"""The server's start-up cost model on disk (:mod:`specdecode.cost.cache`): a JSON round trip
 checked field by field, a restart with the same key loads instead of measuring, any changed
 ingredient measures again, a corrupt file or an unwritable folder never stops the server, and
 ``--remeasure-costs`` measures anyway. Every test keeps its cache in a temporary folder."""
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from specdecode.cost import cache as cost_cache
+from specdecode.cost.cache import CostKey, cost_key, load_cost_model, model_identity, store_cost_model
+from specdecode.cost.serve_model import CostModel
 from specdecode.sampling import SamplingParams
-from specdecode.serve import cost_cache
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.cost import CostModel
-from specdecode.serve.cost_cache import CostKey, cost_key, load_cost_model, model_identity, store_cost_model
 from specdecode.serve.request import Event, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 
@@ -161,18 +161,15 @@ def test_the_key_follows_every_ingredient(chat_models, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(cost_cache.os, "cpu_count", lambda: 1024)
         changed["cores"] = key_of(target, draft)
-    from specdecode.serve.cost import measure_draft_cost, measure_target_costs
+    from specdecode.cost import serve_measure
 
-    def changed_measurement(model, batch_sizes, tokens, context=64, repeats=5):  # noqa: ANN001, ANN202
-        """A changed measurement (say, its repeats)."""
-
-    changed["method"] = key_of(target, draft, measuring=(measure_target_costs, measure_draft_cost))
-    changed["changed method"] = key_of(target, draft, measuring=(changed_measurement, measure_draft_cost))
-    assert key_of(target, draft, measuring=(measure_target_costs,)) == key_of(
-        target, draft, measuring=(measure_target_costs,))  # fmt: skip
-    with monkeypatch.context() as m:  # no source to read (a zipped install): FORMAT alone stands for it
-        m.setattr("inspect.getsource", lambda obj: (_ for _ in ()).throw(OSError("no source")))
-        assert cost_cache.method_identity([measure_target_costs]) == "unknown"
+    assert base.ingredients["measurement"] == serve_measure.MEASUREMENT_VERSION  # a number, not the code's source
+    with monkeypatch.context() as m:  # the measurement changed what it returns, and said so
+        m.setattr(serve_measure, "MEASUREMENT_VERSION", serve_measure.MEASUREMENT_VERSION + 1)
+        changed["measurement"] = key_of(target, draft)
+    with monkeypatch.context() as m:
+        m.setattr(cost_cache, "FORMAT", cost_cache.FORMAT + 1)
+        changed["format"] = key_of(target, draft)
     digests = {name: key.digest for name, key in changed.items()}
     assert base.digest not in digests.values(), digests
     assert len(set(digests.values())) == len(digests), digests

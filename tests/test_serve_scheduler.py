@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from specdecode.cost.serve_model import CostModel
 from specdecode.sampling import SamplingParams
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.cost import CostModel
 from specdecode.serve.request import Event, InvalidRequestError, QueueFullError, ServeRequest
 from specdecode.serve.scheduler import Scheduler
 
@@ -370,9 +370,9 @@ def test_trained_drafters_read_the_batched_targets_features(chat_models, tiny_to
     and each drafter accepts exactly as many tokens as it does alone in the engine, which reads the
     features of a one-sequence pass (features at the wrong positions would change what it drafts)."""
     from specdecode import SpeculativeGenerator
+    from specdecode.cost.serve_measure import measure_draft_cost
     from specdecode.drafters import default_drafter_dir, save_drafter
     from specdecode.proposers import make_proposer
-    from specdecode.serve.cost import measure_draft_cost
     from test_drafters import distill, make_drafter
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
@@ -477,7 +477,7 @@ def test_in_own_thread_returns_raises_and_leaves_no_thread_behind() -> None:
     that ran a pass: see ``in_own_thread``); the result and errors reach the caller."""
     import threading
 
-    from specdecode.serve.cost import in_own_thread
+    from specdecode.cost.serve_measure import in_own_thread
 
     before = threading.active_count()
     seen: list[threading.Thread] = []

@@ -577,7 +577,7 @@ def stage_heads(result_path: Path, dry: bool) -> None:
     weights (bf16 on CUDA; float32 on the CPU in a dry run, the token embeddings cut to
     :data:`DRY_EMBED_ROWS` rows): :func:`time_drafter_heads` at 400 cached (40 in a dry run), median of
     10 after 3 warm-ups, synchronized. Writes ``result_path`` after each figure, with a cost-table
-    fragment ``{"eagle": {W: ms}, "medusa": {"1": ms}}`` (src/specdecode/bench/cost_table.py's keys)."""
+    fragment ``{"eagle": {W: ms}, "medusa": {"1": ms}}`` (src/specdecode/cost/table.py's keys)."""
     import torch
 
     cuda = torch.cuda.is_available() and not dry
@@ -613,12 +613,12 @@ def stage_heads(result_path: Path, dry: bool) -> None:
 
 
 def stage_costtable(result_path: Path, dry: bool) -> None:
-    """``specdecode cost-table --random-weights``'s measurement (specdecode.bench.measure_costs), the
+    """``specdecode cost-table --random-weights``'s measurement (specdecode.cost.measure), the
     product's own path, on the default pair's shipped architectures (tiny ones in a dry run): its
     table, to set beside the torch stage's curves (which this script measures its own way)."""
     import torch
 
-    from specdecode.bench.measure_costs import CostSettings, measure_cost_table
+    from specdecode.cost.measure import CostSettings, measure_cost_table
     from specdecode.models.torch.hf_loading import random_model
 
     res: dict[str, Any] = {"errors": {}}
@@ -779,9 +779,9 @@ def compiled_passes(model: Any, widths: tuple[int, ...], settings: Any, depth: i
 
 def predict_seconds(costs: dict[str, dict[str, float]], name: str, infos: list[dict[str, Any]]) -> float | None:
     """The seconds the recorded passes of a ``specdecode_*_graphs`` method cost on the measured graph
-    curves (specdecode.bench.cost_table's pricing: prefill at its measured width, then each target and
+    curves (specdecode.cost.table's pricing: prefill at its measured width, then each target and
     draft pass), or None (not a graphs method, or no curve)."""
-    from specdecode.bench.cost_table import parse_cost_table
+    from specdecode.cost.table import parse_cost_table
 
     if not name.endswith("_graphs") or "target_graphs" not in costs or not infos:
         return None
@@ -1023,7 +1023,7 @@ def stage_llamacpp(result_path: Path, gguf: Path, dry: bool, draft_gguf: Path | 
     import torch  # noqa: F401 - before llama_cpp, as specdecode loads them
 
     from specdecode import SamplingParams, SpeculativeGenerator
-    from specdecode.bench.cost_table import parse_cost_table
+    from specdecode.cost.table import parse_cost_table
     from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions, _lib
     from specdecode.proposers.prompt_lookup import PromptLookupProposer
 
@@ -1161,7 +1161,7 @@ def price_plain(entry: dict[str, Any], curve: dict[str, float], prompts: int, pr
     ``curve`` (one prefill of ``prompt_len`` per prompt, then one one-token pass per further token):
     ``predicted_s``, ``decode_steps``, ``measured_over_predicted``. Nothing where the entry failed
     or the curve lacks the prefill's width."""
-    from specdecode.bench.cost_table import parse_cost_table
+    from specdecode.cost.table import parse_cost_table
 
     if "seconds" not in entry or str(prompt_len) not in curve:
         return

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specdecode.bench.cost_table import CostTable, load_cost_table
 from specdecode.bench.prompts import encode_chat, load_prompts
+from specdecode.cost.table import CostTable, load_cost_table
 from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer, find_continuation
 

@@ -65,7 +65,7 @@ def test_time_drafter_heads_tiny(gpu_check):
     assert all(v >= 0 for row in ("eagle_ms", "medusa_ms") for v in res[row].values())
     assert res["cost_table_fragment"] == {"eagle": res["eagle_ms"], "medusa": res["medusa_ms"]}
     assert saves
-    from specdecode.bench import cost_table
+    from specdecode.cost import table as cost_table
 
     if "eagle" in getattr(cost_table, "DRAFT_KINDS", ()):  # the table format with the drafters' curves
         table = cost_table.parse_cost_table({"device": "test", "target": {"1": 1.0}, **res["cost_table_fragment"]})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench.cost_table import parse_cost_table, price
+from specdecode.cost.table import parse_cost_table, price
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -195,33 +195,26 @@ class SpeculativeGenerator:
     ) -> None:
         if draft is not None and proposer is not None:
             raise ValueError("give either draft= or proposer=, not both")
-        self._setup(target, tokenizer)
+        self.target = make_runner(target)
+        self.backend = backend_of(target)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(target, tokenizer)
+        self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
+        self.pass_costs = PassCosts()  # what the target's passes cost on this machine: the draft gate reads them
         if draft is not None:
             proposer = DraftModelProposer(draft)
-        if proposer is not None:
+        if proposer is not None:  # every way of building a generator comes here: the checks always run
             check_proposer(proposer)
             if proposer.needs_target_features:  # declared by the runner, refused naming both
                 self.target.capabilities.require("returns_hidden", self.target, f"proposer {proposer.name!r}")
             check_shared_vocabulary(self.target, proposer)
         self.proposer = proposer
 
-    def _setup(self, target: PreTrainedModel | Any, tokenizer: Any, proposer: Proposer | None = None) -> None:
-        """The target's runner, tokenizer and EOS ids, and ``proposer`` as it is (checked by the caller)."""
-        self.target = make_runner(target)
-        self.backend = backend_of(target)
-        self.tokenizer = tokenizer
-        self.proposer = proposer
-        self.eos_token_ids = eos_token_ids(target, tokenizer)
-        self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
-        self.pass_costs = PassCosts()  # what the target's passes cost on this machine: the draft gate reads them
-
     @classmethod
     def from_loaded(cls, loaded: Any) -> SpeculativeGenerator:
-        """A generator of models :func:`specdecode.load.load_models` loaded (its ``built`` proposer),
-        without asking the vocabulary rule again: the load path asked it once."""
-        generator = cls.__new__(cls)
-        generator._setup(loaded.target, loaded.tokenizer, loaded.built)
-        return generator
+        """A generator of models :func:`specdecode.load.load_models` loaded: its target, tokenizer and
+        ``built`` proposer, through the constructor (its checks are a few attribute reads)."""
+        return cls(loaded.target, tokenizer=loaded.tokenizer, proposer=loaded.built)
 
     @classmethod
     def from_pretrained(

@@ -50,7 +50,7 @@ class SpecStats:
             grammar forbids them (the forbidden token and the drafts after it; tree nodes).
         target_pass_widths: tokens fed to each target forward pass, in order: the prefill's (the
             prompt's length), then 1 + the tokens drafted (tree nodes) per verification step. The
-            input of ``specdecode bench --cost-table`` (:mod:`specdecode.bench.cost_table`); not in
+            input of ``specdecode bench --cost-table`` (:mod:`specdecode.cost.table`); not in
             :meth:`to_dict`.
         draft_pass_widths: tokens fed to each forward pass of the proposer's own model (a draft
             model; an EAGLE head; Medusa heads, 1 per evaluation), in order (empty for proposers

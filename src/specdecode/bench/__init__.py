@@ -8,5 +8,6 @@ Same models, same prompts, every method interleaved per prompt; metrics defined 
 - :mod:`~specdecode.bench.runner`: the timed loop and ``results.json``.
 - :mod:`~specdecode.bench.metrics`: pure aggregation of per-prompt records.
 - :mod:`~specdecode.bench.report`: the Markdown tables and PNG plots.
+- pricing recorded passes with a cost table (``--cost-table``): :mod:`specdecode.cost.table`.
 - the ``bench`` subcommand: :mod:`specdecode.commands.bench`.
 """

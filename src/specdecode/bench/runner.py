@@ -69,7 +69,7 @@ LLAMACPP_PEERS = ("llamacpp",)
 
 
 def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, list[int]] | None:
-    """A record's ``passes`` (what :mod:`specdecode.bench.cost_table` prices): ``target``, the tokens
+    """A record's ``passes`` (what :mod:`specdecode.cost.table` prices): ``target``, the tokens
     of each target forward pass (the prefill's first); ``draft``, of each draft-model forward; and
     ``accepted``, the draft tokens accepted per verification step; ``draft_kind``, the cost-table
     curve that prices ``draft`` (the proposer's ``pass_kind``: draft, eagle, medusa). Our engine's come from its

@@ -115,7 +115,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--cost-table",
         metavar="FILE",
         help="price each generation's recorded passes with a pass-cost table measured elsewhere (JSON: ms "
-        "per pass width for the target and the draft, specdecode.bench.cost_table; or a packaged one's "
+        "per pass width for the target and the draft, specdecode.cost.table; or a packaged one's "
         "name, e.g. h100-torch-eager-bf16) and print the predicted speedup per method and category beside "
         "the measured one (also into results.json; with --report, re-prices the saved records)",
     )
@@ -218,17 +218,17 @@ def default_methods(target: str | None, backend: str = "torch") -> list[str]:
 
 
 def _cost_table(path: str | None) -> Any:
-    """``--cost-table``'s :class:`~specdecode.bench.cost_table.CostTable`, or None without one."""
+    """``--cost-table``'s :class:`~specdecode.cost.table.CostTable`, or None without one."""
     if not path:
         return None
-    from specdecode.bench.cost_table import load_cost_table
+    from specdecode.cost.table import load_cost_table
 
     return load_cost_table(path)
 
 
 def _print_prediction(results: dict[str, Any], path: str, baseline: str) -> None:
     """Price ``results``' records with the cost table at ``path``; print predicted beside measured."""
-    from specdecode.bench.cost_table import load_cost_table, predict, prediction_table, unpriced_drafts
+    from specdecode.cost.table import load_cost_table, predict, prediction_table, unpriced_drafts
 
     table = load_cost_table(path)
     records = results["records"]
@@ -284,7 +284,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     results["environment"] = environment()
     if cost_table is not None:
-        from specdecode.bench.cost_table import prediction_results
+        from specdecode.cost.table import prediction_results
 
         results["predicted"] = prediction_results(results, cost_table, args.cost_table, args.baseline)
     out = Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))

@@ -1,5 +1,5 @@
 """``specdecode cost-table``: measure a pass-cost table on this machine
-(:mod:`specdecode.bench.measure_costs`), to price recorded passes with ``specdecode bench --report
+(:mod:`specdecode.cost.measure`), to price recorded passes with ``specdecode bench --report
 RESULTS --cost-table FILE``.
 
 Example::
@@ -33,7 +33,7 @@ def _widths(text: str) -> tuple[int, ...]:
 
 def add_cost_table_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``cost-table`` subcommand to ``subparsers`` (from ``add_subparsers``)."""
-    from specdecode.bench.measure_costs import DEFAULT_DRAFT_WIDTHS, DEFAULT_WIDTHS, CostSettings
+    from specdecode.cost.measure import DEFAULT_DRAFT_WIDTHS, DEFAULT_WIDTHS, CostSettings
 
     defaults = CostSettings()
     c = add_command_parser(
@@ -93,9 +93,9 @@ def add_cost_table_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_cost_table(args: argparse.Namespace) -> int:
     """Load the models through the one load path, measure, write ``--out``, print the curves."""
-    from specdecode.bench.cost_table import parse_cost_table
-    from specdecode.bench.measure_costs import CostSettings, measure_cost_table
     from specdecode.commands.common import backend_options
+    from specdecode.cost.measure import CostSettings, measure_cost_table
+    from specdecode.cost.table import parse_cost_table
     from specdecode.load import load_models, load_random_models, plan_bench_models
 
     settings = CostSettings(widths=args.widths, draft_widths=args.draft_widths, depth=args.depth,

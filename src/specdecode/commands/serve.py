@@ -189,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from specdecode.serve.cost_cache import default_folder
+    from specdecode.cost.cache import default_folder
     from specdecode.serve.server import build_app
 
     settings = settings_from_args(args, "specdecode")  # the server's own flags first
@@ -217,9 +217,9 @@ def _serve_replicas(args: argparse.Namespace, source: Any) -> int:
     that exist here made absolute first (a replica checks its paths on its own machine)."""
     import dataclasses
 
+    from specdecode.cost.cache import default_folder
     from specdecode.load import choose
     from specdecode.models.torch.hf_loading import parse_dtype
-    from specdecode.serve.cost_cache import default_folder
     from specdecode.serve.replicas import ReplicaConfig, run_replicas
 
     parse_dtype(args.dtype)

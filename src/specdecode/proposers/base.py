@@ -31,7 +31,7 @@ attributes, never probe for them:
   ``draft_quantization`` statistic): ``"int8"`` (an int8 draft), ``"int8-head"`` (a drafter's int8
   LM-head rows), ``"none"``.
 - ``pass_kind`` (default ``"draft"``): which pass-cost curve prices the widths ``take_pass_widths``
-  returns (:mod:`specdecode.bench.cost_table`): ``"draft"`` for a draft model's forwards,
+  returns (:mod:`specdecode.cost.table`): ``"draft"`` for a draft model's forwards,
   ``"eagle"`` for an EAGLE head's, ``"medusa"`` for Medusa heads'.
 - ``clear_cache()`` (default: nothing): forget state kept *across* requests (the suffix proposer's
   cache of earlier outputs); ``reset`` forgets one request's.

@@ -133,7 +133,7 @@ class EagleProposer(ProposerBase):
         """One head forward through the cache: features ``[m, H]``, token ids int64 ``[m]``, positions
         int64 ``[m]``, optional bool ``mask [m, cached + m]`` -> predicted features ``[m, H]``."""
         m = int(tokens.shape[0])
-        self.record_pass(m)  # priced by a cost table's "eagle" curve (specdecode.bench.cost_table)
+        self.record_pass(m)  # priced by a cost table's "eagle" curve (specdecode.cost.table)
         attention = None
         if mask is not None:  # moved as bool, the additive mask built on the device
             dtype, allowed = self.drafter.fc.weight.dtype, mask.to(self.device)

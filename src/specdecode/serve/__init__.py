@@ -3,7 +3,7 @@
 Modules (importing this package imports nothing heavy; see docs/serving.md):
 
 - :mod:`~specdecode.models.torch.batch`: the target over a batch of ragged rows with one KV cache;
-- :mod:`~specdecode.serve.cost`: the start-up cost model and the per-step speculation plan;
+- :mod:`~specdecode.cost.serve_model`: the start-up cost model and the per-step speculation plan;
 - :mod:`~specdecode.serve.scheduler`: the scheduler thread (queue, admission, the batched loop);
 - :mod:`~specdecode.serve.app` / :mod:`~specdecode.serve.schemas`: HTTP routes and request models;
 - :mod:`~specdecode.serve.prometheus`, :mod:`~specdecode.serve.audit`: Prometheus metrics, the audit log;

@@ -24,7 +24,7 @@ class ServeSettings:
             :data:`~specdecode.limits.K_RANGE`); None: each
             request's proposer's own default (:meth:`k_for`).
         speculation: ``"on"`` (every speculative request drafts its k every step), ``"off"``
-            (nobody drafts) or ``"adaptive"`` (the cost model of :mod:`specdecode.serve.cost`
+            (nobody drafts) or ``"adaptive"`` (the cost model of :mod:`specdecode.cost.serve_model`
             decides per step and per sequence).
         max_batch_size: the most sequences decoding together (rows of the batched KV cache).
         kv_budget_tokens: KV-cache tokens the running sequences may reserve together; a sequence

@@ -109,7 +109,7 @@ class ReplicaConfig:
         session_affinity: route by session key (consistent hashing); False: Ray Serve's default
             router (the less loaded of two random replicas).
         cost_cache_folder: where a replica in ``adaptive`` mode loads its start-up cost model from,
-            or stores the one it measured (:mod:`specdecode.serve.cost_cache`; the key includes the
+            or stores the one it measured (:mod:`specdecode.cost.cache`; the key includes the
             replica's threads and its machine, so each node keeps its own); None: measure, store
             nothing.
         remeasure_costs: measure even where ``cost_cache_folder`` holds a model for the key

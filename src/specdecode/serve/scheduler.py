@@ -7,7 +7,7 @@ scheduler thread loops:
    deadline passed, freeing their rows; admit waiting requests, in order, while a row is free
    and the KV budget holds their reservation; prefill the new rows together (one ragged pass)
    and emit each one's first token (the target's own);
-1. **draft**: decide each running sequence's k for this step (:mod:`specdecode.serve.cost`,
+1. **draft**: decide each running sequence's k for this step (:mod:`specdecode.cost.serve_model`,
    ``--speculation``) and ask its own proposer (one instance per sequence, built by
    :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not) for k tokens;
 2. **score**: ONE batched target pass over every row's ``[last token + draft]`` (ragged,
@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.cost.serve_measure import default_batch_grid, in_own_thread, measure_draft_cost, measure_target_costs
+from specdecode.cost.serve_model import INITIAL_ACCEPTANCE, CostModel, plan_speculation
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
@@ -52,15 +54,6 @@ from specdecode.schedule import acceptance_trials, expected_tokens
 from specdecode.serve.admission import Admission, available_proposers
 from specdecode.serve.audit import AuditLog, audit_record
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.cost import (
-    INITIAL_ACCEPTANCE,
-    CostModel,
-    default_batch_grid,
-    in_own_thread,
-    measure_draft_cost,
-    measure_target_costs,
-    plan_speculation,
-)
 from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.request import Event, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
@@ -211,8 +204,8 @@ class Scheduler:
         installed later, only flag a shutdown that its start-up would wait out).
 
         Args:
-            cache_folder: a folder of measured models (:mod:`specdecode.serve.cost_cache`; the
-                command's is :func:`~specdecode.serve.cost_cache.default_folder`): one stored under
+            cache_folder: a folder of measured models (:mod:`specdecode.cost.cache`; the
+                command's is :func:`~specdecode.cost.cache.default_folder`): one stored under
                 this measurement's key is loaded instead of measuring, and a new measurement is
                 stored there before serving refines it (a folder that cannot be written: a
                 warning). None (the default; :meth:`start`'s): measure, no files.
@@ -223,7 +216,7 @@ class Scheduler:
             return
         key = None
         if cache_folder is not None:
-            from specdecode.serve.cost_cache import cost_key, load_cost_model
+            from specdecode.cost.cache import cost_key, load_cost_model
 
             batch_sizes, tokens, k = self._calibration_grid()
             key = cost_key(
@@ -234,7 +227,6 @@ class Scheduler:
                 proposer=self.settings.proposer,
                 proposer_options=self.settings.proposer_options,
                 k=k,
-                measuring=(measure_target_costs, measure_draft_cost, Scheduler.calibrate, Scheduler._calibration_grid),
             )
             cached = None if remeasure else load_cost_model(key, cache_folder)
             if cached is not None:
@@ -244,7 +236,7 @@ class Scheduler:
         tic = time.perf_counter()
         self.cost = in_own_thread(self.calibrate)  # not this (long-lived) thread: see in_own_thread
         if key is not None:  # stored as measured, before serving refines it
-            from specdecode.serve.cost_cache import store_cost_model
+            from specdecode.cost.cache import store_cost_model
 
             assert cache_folder is not None  # a key is made only for a folder
             path = store_cost_model(key, self.cost, cache_folder, time.perf_counter() - tic)
@@ -292,7 +284,10 @@ class Scheduler:
         return default_batch_grid(self.settings.max_batch_size), sorted({1, 2, 3, k // 2 + 1, k + 1}), k
 
     def calibrate(self) -> CostModel:
-        """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`.cost`)."""
+        """Measure ``t_target(B, T)`` and the default proposer's draft cost (see :mod:`specdecode.cost.serve_model`).
+
+        A change of what it (or :meth:`_calibration_grid`) measures raises
+        :data:`~specdecode.cost.serve_measure.MEASUREMENT_VERSION`, so stored measurements are not reused."""
         tic = time.perf_counter()
         batch_sizes, tokens, k = self._calibration_grid()
         cost = measure_target_costs(self.target, batch_sizes, tokens)  # own cache

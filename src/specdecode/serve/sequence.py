@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from specdecode.cost.serve_model import AcceptanceEstimate
 from specdecode.decode_state import DecodeState
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.prediction import prediction_record, with_prediction
-from specdecode.serve.cost import AcceptanceEstimate
 from specdecode.serve.request import ServeRequest, usage
 from specdecode.stats import SpecStats
 

@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import FastAPI
 from transformers import PreTrainedModel
 
+from specdecode.cost.serve_model import CostModel
 from specdecode.proposers.vocabulary import draft_proposer
 from specdecode.serve.audit import AuditLog
 from specdecode.serve.config import ServeSettings
-from specdecode.serve.cost import CostModel
 from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.scheduler import Scheduler
 

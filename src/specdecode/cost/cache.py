@@ -1,14 +1,16 @@
 """A disk cache of the server's start-up cost model: a restarted server reuses its measurement.
 
-``specdecode serve --speculation adaptive`` measures a :class:`~specdecode.serve.cost.CostModel`
-before it serves (:meth:`Scheduler.calibrate <specdecode.serve.scheduler.Scheduler.calibrate>`:
-every batch size of the grid up to ``--max-batch-size`` times every tokens-per-row width, and the
-default proposer's draft cost), a few minutes of the machine with the default pair on 2 cores. The
-measurement depends only on what this module puts in its key, so a restart with the same key loads
-it instead, from ``<cache>/serve-cost/<key>.json`` (``<cache>``:
-:func:`specdecode.models.default.cache_dir`, ``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``), or
-from ``$SPECDECODE_SERVE_COST_CACHE`` where that is set (a folder of its own, e.g. for tests, which
-keep the default models in the shared cache).
+``specdecode serve --speculation adaptive`` measures a
+:class:`~specdecode.cost.serve_model.CostModel` before it serves
+(:mod:`specdecode.cost.serve_measure`, through :meth:`Scheduler.calibrate
+<specdecode.serve.scheduler.Scheduler.calibrate>`: every batch size of the grid up to
+``--max-batch-size`` times every tokens-per-row width, and the default proposer's draft cost), a
+few minutes of the machine with the default pair on 2 cores. The measurement depends only on what
+this module puts in its key, so a restart with the same key loads it instead, from
+``<cache>/serve-cost/<key>.json`` (``<cache>``: :func:`specdecode.models.default.cache_dir`,
+``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``), or from ``$SPECDECODE_SERVE_COST_CACHE`` where
+that is set (a folder of its own, e.g. for tests, which keep the default models in the shared
+cache).
 
 The key (:func:`cost_key`) is the SHA-256 of every ingredient of the measurement, kept in the
 file in clear too (a file under the key with other ingredients is ignored as corrupt):
@@ -26,11 +28,11 @@ file in clear too (a file under the key with other ingredients is ignored as cor
   file or folder also by that file's size and mtime) and k;
 - the machine: CPU model, a hash of its flags, architecture, cores (all and usable), the CUDA
   GPUs torch sees;
-- :data:`FORMAT`, raised whenever the file's layout changes, and a hash of the measuring code
-  (:func:`method_identity` of what the scheduler names: the source of
-  :func:`~specdecode.serve.cost.measure_target_costs`, :func:`~specdecode.serve.cost.measure_draft_cost`
-  and its ``calibrate`` and ``_calibration_grid``), so a change of how it measures (its context,
-  repeats, grid) is a new key without anybody remembering to raise :data:`FORMAT`.
+- :data:`FORMAT`, raised whenever the file's layout changes, and
+  :data:`~specdecode.cost.serve_measure.MEASUREMENT_VERSION`, declared beside the measuring code
+  and raised when the measurement changes what it returns (its context, repeats, which pass it
+  keeps). An explicit number, not a hash of the code's source: editing a comment or a docstring
+  keeps every user's stored measurement.
 
 **What is stored is the start-up measurement only.** While serving, the scheduler refines the
 model in place (:meth:`CostModel.observe_target`'s per-batch-size speed factors,
@@ -59,17 +61,18 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.serve.cost import CostModel
+from specdecode.cost.serve_model import CostModel
 
 log = logging.getLogger("specdecode.serve")
 
 FORMAT = 1
-"""Version of the measurement's method and of the file's layout; part of the key."""
+"""Version of the file's layout; part of the key (the measurement's own version is
+:data:`~specdecode.cost.serve_measure.MEASUREMENT_VERSION`)."""
 
 FOLDER = "serve-cost"
 """The cache's sub-folder of specdecode's cache folder."""
@@ -247,18 +250,6 @@ def _versions() -> dict[str, Any]:
     }
 
 
-def method_identity(measuring: Sequence[Callable[..., Any]]) -> str:
-    """A hash of the measuring code's source (``measuring``: the functions and methods that measure;
-    the scheduler names its own), or ``"unknown"`` where the source cannot be read (then
-    :data:`FORMAT` alone stands for it)."""
-    import inspect
-
-    try:
-        return _digest([inspect.getsource(part) for part in measuring])
-    except (OSError, TypeError):
-        return "unknown"
-
-
 def cost_key(
     target: Any,
     draft: Any | None,
@@ -268,7 +259,6 @@ def cost_key(
     proposer: str | None,
     proposer_options: Mapping[str, Any],
     k: int,
-    measuring: Sequence[Callable[..., Any]] = (),
 ) -> CostKey:
     """The key of a start-up measurement (module docstring): reads file sizes and mtimes, no weights.
 
@@ -279,15 +269,13 @@ def cost_key(
         proposer: the proposer whose draft cost is measured, or None.
         proposer_options: its options (JSON-ready values; others are written with ``str``).
         k: the tokens it drafts per call in the measurement.
-        measuring: the code that measures (:func:`method_identity`; the scheduler passes
-            ``measure_target_costs``, ``measure_draft_cost`` and its ``calibrate`` and
-            ``_calibration_grid``).
     """
+    from specdecode.cost import serve_measure  # the measuring code (torch, the engine): only when keying
     from specdecode.models.backends import backend_of
 
     ingredients = {
         "format": FORMAT,
-        "method": method_identity(measuring),
+        "measurement": serve_measure.MEASUREMENT_VERSION,
         "backend": backend_of(target),
         "versions": _versions(),
         "machine": machine_identity(),

@@ -303,7 +303,7 @@ def prediction_table(prediction: Mapping[str, Mapping[str, Mapping[str, float | 
         mark = " *" if unpriced.get(method) else ""
         lines.append(f"| {method}{mark} | " + " | ".join(cell(by_group.get(g)) for g in groups) + " |")
     lines.append("")
-    lines.append("Priced from each generation's recorded passes (specdecode.bench.cost_table); '-': passes not known.")
+    lines.append("Priced from each generation's recorded passes (specdecode.cost.table); '-': passes not known.")
     if table.step_ms is None:
         lines.append("The host's work per step is not priced (the table has no 'step_ms'): upper bounds.")
     else:

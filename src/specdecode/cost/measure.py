@@ -1,5 +1,5 @@
 """Measure a pass-cost table on this machine (``specdecode cost-table``): the JSON that
-:mod:`specdecode.bench.cost_table` reads to price recorded passes.
+:mod:`specdecode.cost.table` reads to price recorded passes.
 
 What is measured, for the loaded target (and draft), through the runners decoding uses
 (:func:`specdecode.models.backends.make_runner`: llama.cpp's context, torch's eager runner, or its
@@ -132,7 +132,7 @@ def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> di
     """The host's work per step (module docstring): ``{"step_ms": ms, "runs": [...]}``, each run's
     wall seconds, passes' price and steps."""
     from specdecode import SamplingParams, SpeculativeGenerator
-    from specdecode.bench.cost_table import parse_cost_table, price
+    from specdecode.cost.table import parse_cost_table, price
     from specdecode.models.torch.placement import synchronize
 
     priced = parse_cost_table(table)
@@ -158,7 +158,7 @@ def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> di
 
 def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSettings | None = None,
                        command: str = "", note: str = "") -> dict[str, Any]:  # fmt: skip
-    """A cost table (:mod:`specdecode.bench.cost_table`'s JSON) measured on this machine.
+    """A cost table (:mod:`specdecode.cost.table`'s JSON) measured on this machine.
 
     Args:
         target: the loaded target (a llama.cpp model or a ``transformers`` model, as
@@ -171,7 +171,7 @@ def measure_cost_table(target: Any, draft: Any | None = None, settings: CostSett
 
     Returns:
         ``{"device", "source", "target", "draft"?, "prefill_ms_per_token", "step_ms"?}``, which
-        :func:`~specdecode.bench.cost_table.parse_cost_table` accepts, plus ``"measurement"``
+        :func:`~specdecode.cost.table.parse_cost_table` accepts, plus ``"measurement"``
         (settings and the step fit's runs) for the record; write it with ``json.dump``.
 
     Raises:
