@@ -47,6 +47,8 @@ def step_cost(table: CostTable, d: int, n: int, chunk: int) -> float:
     if d == 0:
         return table.target(1) + (table.step_ms or 0.0)
     width = d + 1
+    if not chunk:  # one pass, every row computed (--no-exact, a GPU)
+        return table.target(width) + (table.step_ms or 0.0)
     chunks = (n // chunk + 1) if n < d else math.ceil(width / chunk)
     cost, left = 0.0, width
     for _ in range(chunks):
@@ -60,14 +62,14 @@ Policy = Callable[[torch.Tensor, int], list[int]]
 
 
 def replay(
-    prompt: list[int], answer: list[int], propose: Policy, observe: Callable, table: CostTable, chunk: int
+    prompt: list[int], answer: list[int], propose: Policy, observe: Callable, table: CostTable, chunk: int, k: int = 8
 ) -> tuple[float, int]:
     """(ms, steps) to decode ``answer`` after ``prompt`` with the policy."""
     context = prompt + answer
     t, ms, steps = 1, table.target(1) * 0, 0  # the first token comes from the prefill (same for all)
     while t < len(answer):
         room = len(answer) - t - 1
-        draft = propose(torch.tensor(context[: len(prompt) + t]), max(0, min(8, room)))[: max(0, room)]
+        draft = propose(torch.tensor(context[: len(prompt) + t]), max(0, min(k, room)))[: max(0, room)]
         n = lcp(draft, answer[t:])
         ms += step_cost(table, len(draft), n, chunk)
         observe(len(draft), n)
@@ -80,7 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results")
     parser.add_argument("--table", required=True)
-    parser.add_argument("--chunk", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=3, help="rows per exact-mode chunk (0: one pass, no early stop)")
+    parser.add_argument("--k", type=int, default=8, help="the most tokens drafted per step (a prediction: 16)")
     default_tokenizer = Path.home() / ".cache/specdecode/models/Qwen2.5-Coder-1.5B-Instruct-bf16"
     parser.add_argument("--tokenizer", default=str(default_tokenizer))
     args = parser.parse_args()
@@ -121,6 +124,39 @@ def main() -> None:
         out["_gate"] = gates
         return out
 
+    def prediction_policies(prompt_ids: list[int], prediction: str) -> dict[str, tuple[Policy, Callable]]:
+        """The prediction proposer over prompt lookup (3..8), by max_spec_factor, ungated and gated."""
+        from specdecode.proposers.prediction import PredictionConfig, PredictionProposer, encode_prediction
+
+        ids = encode_prediction(prediction, tokenizer, len(tokenizer))
+        out = {}
+        for factor in (2.0, 4.0, 8.0):
+            for gated in (False, True):
+                fallback = PromptLookupProposer(PromptLookupConfig(min_ngram=3, max_ngram=8))
+                proposer = PredictionProposer(ids, fallback, len(prompt_ids), PredictionConfig(max_spec_factor=factor))
+                gate = DraftGate(gates_costs) if gated else None
+
+                def propose(ctx: torch.Tensor, k: int, p: PredictionProposer = proposer, g: DraftGate | None = gate
+                            ) -> list[int]:  # fmt: skip
+                    draft = p.propose(ctx, k, None, None)  # type: ignore[arg-type]
+                    return (g.trim(draft) if g is not None else draft).ids.tolist()
+
+                def observe(d: int, n: int, p: PredictionProposer = proposer, g: DraftGate | None = gate) -> None:
+                    from specdecode.verify import VerifyResult
+
+                    if g is not None:
+                        g.observe(d, n)
+                    p.observe(VerifyResult(n, torch.zeros(n + 1, dtype=torch.int64)))  # tokens unused but counted
+
+                out[f"pred_f{factor:g}{'_gate' if gated else ''}"] = (propose, observe)
+        return out
+
+    gates_costs = PassCosts()
+    for w in range(1, 34):
+        gates_costs.ms[w] = table.target(w)
+    gates_costs.step_ms, gates_costs.chunk = table.step_ms or 0.0, args.chunk or None
+    passes: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name: [tokens after the first, steps]
+
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (qid, group, turn), answer in sorted(answers.items()):
         prompt = prompts.get((qid, group))
@@ -138,16 +174,21 @@ def main() -> None:
         for name, gate in pols.pop("_gate").items():  # a fresh gate per request
             fresh = DraftGate(gate.costs)
             gate.__dict__.update(fresh.__dict__)
+        if prompt.prediction is not None:
+            pols.update(prediction_policies(ids, prompt.prediction))
         for name, (propose, observe) in pols.items():
-            ms, _ = replay(ids, answer, propose, observe, table, args.chunk)
+            ms, steps = replay(ids, answer, propose, observe, table, args.chunk, args.k)
             totals[group][name] += ms
             totals["all"][name] += ms
+            passes[name][0] += len(answer) - 1
+            passes[name][1] += steps
         totals[group]["plain"] += plain
         totals["all"]["plain"] += plain
     names = [n for n in next(iter(totals.values())) if n != "plain"]
     print("category".ljust(16), *[n.rjust(15) for n in names])
     for group, row in totals.items():
-        print(group.ljust(16), *[f"{row['plain'] / row[n]:15.3f}" for n in names])
+        print(group.ljust(16), *[f"{row['plain'] / row[n]:15.3f}" if row.get(n) else " " * 15 for n in names])
+    print("tokens / pass".ljust(16), *[f"{passes[n][0] / max(1, passes[n][1]):15.2f}" for n in names])
 
 
 if __name__ == "__main__":
