@@ -118,3 +118,20 @@ def test_greedy_with_the_gate_equals_target_only(tiny_target, curve: str) -> Non
         assert gated > 0
     if curve == "cheap":
         assert gated == 0
+
+
+def test_a_chunked_pass_is_priced_by_its_chunks() -> None:
+    """Where the runner computes a pass in chunks (llama.cpp's exact mode declares
+    ``greedy_stop_rows``), an unmeasured width costs its whole chunks and the rest."""
+    measured = costs([26.0, 49.0, 66.0], chunk=3)
+    assert [measured.cost(w, 0.6) for w in (4, 6, 7, 9)] == [92.0, 132.0, 158.0, 198.0]
+    measured.chunk = None  # one pass: the prior line beyond the widest measured
+    assert measured.cost(6, 0.6) == pytest.approx(66.0 + 26.0 * 0.6 * 3)
+
+
+def test_the_llamacpp_runner_declares_its_chunk(tiny_target) -> None:
+    """The engine gives the gate the runner's chunk: None on torch (every row computed)."""
+    generator = SpeculativeGenerator(tiny_target, proposer=PromptLookupProposer())
+    assert generator.target.capabilities.greedy_stop_rows is None
+    generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    assert generator.pass_costs.chunk is None

@@ -300,3 +300,9 @@ def test_a_greedy_verification_pass_stops_after_the_first_chunk_with_a_wrong_dra
     n_inv = target.options.invariant_tokens
     assert rows.shape[0] == n_inv and runner.length == 20 + n_inv
     assert torch.equal(rows[:2], full[:2])  # the rows before the wrong token are the same
+
+
+def test_exact_mode_declares_its_chunk_to_the_draft_gate(target) -> None:
+    """The draft gate prices a wrong draft at its chunk: exact mode declares the chunk it stops at."""
+    assert target.capabilities.greedy_stop_rows == target.options.invariant_tokens >= 1
+    assert target.make_runner().capabilities.greedy_stop_rows == target.options.invariant_tokens

@@ -15,7 +15,7 @@ from this request's own evidence and this machine's own measured pass costs:
   generator: measured on every pass, before that ``c(1) * (1 + prior_slope * (w - 1))``), and the
   host's work per step; where a greedy pass stops early at a wrong draft (llama.cpp's exact mode
   verifies in chunks and stops after the first chunk whose argmax disagrees), the expected cost
-  counts only the chunks expected to run (the chunk width is learned from the passes that stopped);
+  counts only the chunks expected to run (the runner declares its chunk: ``greedy_stop_rows``);
 - **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
   per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate.
 
@@ -91,9 +91,9 @@ class PassCosts:
         ms: moving average of milliseconds per pass by rows computed (index = rows), 0 = unmeasured.
         step_ms: moving average of the host's work per step beyond the target pass (proposing,
             verifying, Python), milliseconds; None before a step was measured.
-        chunk: rows a greedy pass computes before it can stop early (llama.cpp's exact mode: its
-            invariant chunk), learned from passes that stopped early; None: none seen (a pass
-            computes all its rows).
+        chunk: rows a greedy pass computes before it can stop early (the runner's
+            ``capabilities.greedy_stop_rows``: llama.cpp's exact mode's invariant chunk, set by the
+            engine), else learned from passes that stopped early; None: a pass computes all its rows.
     """
 
     ema: float = 0.2
@@ -114,11 +114,17 @@ class PassCosts:
             self.chunk = rows if self.chunk is None else min(self.chunk, rows)
 
     def cost(self, rows: int, prior_slope: float) -> float | None:
-        """ms of a pass computing ``rows`` rows: measured, else interpolated between measured widths,
-        else the prior line from ``c(1)``; None before a one-token pass was measured."""
+        """ms of a pass computing ``rows`` rows: measured; else, for a pass computed in chunks, its
+        chunks' costs; else interpolated between measured widths, else the prior line from ``c(1)``;
+        None before a one-token pass was measured."""
         rows = max(1, min(rows, MAX_ROWS))
         if self.ms[rows]:
             return self.ms[rows]
+        chunk = self.chunk
+        if chunk is not None and rows > chunk and self.ms[chunk]:  # whole chunks, then the rest
+            rest = rows % chunk
+            tail = self.cost(rest, prior_slope) if rest else 0.0
+            return None if tail is None else (rows // chunk) * self.ms[chunk] + tail
         one = self.ms[1]
         if not one:
             return None

@@ -64,6 +64,10 @@ class RunnerCapabilities:
             pass short: fewer logits rows (or NaN rows of a tree) than asked come back, and
             ``length`` / ``lengths`` say how many tokens were cached. A caller must read the rows it
             got, whatever this says; it is for records.
+        greedy_stop_rows: with a greedy hint, a pass is computed in chunks of this many rows and
+            stops after the first chunk whose argmax disagrees with the draft (llama.cpp's exact
+            mode: its invariant chunk); None: every row is computed. For the draft gate's price of a
+            draft (:mod:`specdecode.draft_gate`): a wrong draft then costs its chunk, not the pass.
     """
 
     backend: str
@@ -73,6 +77,7 @@ class RunnerCapabilities:
     model_insides: bool = False
     batch_invariant: bool = False
     greedy_hints: bool = False
+    greedy_stop_rows: int | None = None
 
     def require(self, capability: str, runner: object, need: str) -> None:
         """Raise :class:`CapabilityError` unless ``capability`` (a field name) is True.

@@ -211,9 +211,11 @@ class LlamaCppModel:
     @property
     def capabilities(self) -> RunnerCapabilities:
         """What its runners (:meth:`make_runner`) can do: :attr:`LlamaCppRunner.capabilities`, with
-        ``batch_invariant`` and ``greedy_hints`` as :attr:`LlamaCppOptions.exact` says."""
+        ``batch_invariant`` and ``greedy_hints`` as :attr:`LlamaCppOptions.exact` says, and exact mode's
+        chunk as ``greedy_stop_rows``."""
         exact = bool(self.options.exact)
-        return replace(LlamaCppRunner.capabilities, batch_invariant=exact, greedy_hints=exact)
+        chunk = self.options.invariant_tokens if exact else None
+        return replace(LlamaCppRunner.capabilities, batch_invariant=exact, greedy_hints=exact, greedy_stop_rows=chunk)
 
     @property
     def dtype(self) -> str:
