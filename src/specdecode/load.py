@@ -42,7 +42,8 @@ class ModelSource:
             name, or None for the default pair's model).
         dtype: ``--dtype``.
         backend: ``--backend`` (``auto``, ``torch``, ``llamacpp``).
-        threads, exact: ``--threads`` and ``--exact`` (llamacpp only).
+        threads, exact: ``--threads`` (llamacpp only) and ``--exact`` (llamacpp; torch in bfloat16
+            or float16 on the CPU: :mod:`specdecode.models.torch.exact`).
         device, cuda_graphs: ``--device`` and ``--cuda-graphs`` (torch; ``--device cpu`` also keeps
             llama.cpp's layers on the CPU).
     """
@@ -246,7 +247,9 @@ def plan_models(
         backend: ``"auto"``, ``"torch"`` or ``"llamacpp"`` (resolved once,
             :func:`~specdecode.models.backends.resolve_backend`).
         dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or a torch dtype.
-        threads, exact: the llamacpp backend's options (:class:`~specdecode.models.llamacpp.LlamaCppOptions`).
+        threads, exact: the llamacpp backend's options (:class:`~specdecode.models.llamacpp.LlamaCppOptions`);
+            ``exact`` also marks a torch target in bfloat16 or float16 on the CPU for exact passes
+            (:mod:`specdecode.models.torch.exact`).
         device: ``"auto"`` (a CUDA GPU where torch sees one, else the CPU), ``"cpu"``, ``"cuda"``,
             ``"cuda:N"`` or ``"mps"`` (:func:`~specdecode.models.torch.placement.resolve_device`).
         cuda_graphs: on a CUDA device, run torch's runners over a static KV cache with CUDA graphs
@@ -405,9 +408,8 @@ def load_models(plan: LoadPlan) -> LoadedModels:
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
         place = {"device": plan.device, "cuda_graphs": plan.cuda_graphs}
-        target = load_model(
-            plan.target, "target", plan.dtype, prepack_now=plan.prepack or plan.server or proposer is not None, **place
-        )
+        prepack_now = plan.prepack or plan.server or proposer is not None
+        target = load_model(plan.target, "target", plan.dtype, prepack_now=prepack_now, exact=plan.exact, **place)
         draft = load_model(plan.draft, "draft", plan.dtype, **place) if plan.draft is not None else None
         tokenizer = load_tokenizer(plan.target)
     built = None
@@ -425,11 +427,13 @@ def load_random_models(
     need_draft: bool = True,
     device: str = "auto",
     cuda_graphs: bool = True,
+    exact: bool = True,
 ) -> tuple[Any, Any]:
     """The target and (``need_draft``) the draft with random weights of their architectures
     (:func:`specdecode.models.torch.hf_loading.random_model`: a folder's ``config.json``, or the
     default pair's shipped one), on torch, placed as :func:`load_models` places loaded ones: what a
-    pass costs without the weights (``specdecode cost-table --random-weights``).
+    pass costs without the weights (``specdecode cost-table --random-weights``); the target with
+    ``exact`` passes as :func:`load_models` loads it.
 
     Raises:
         ValueError: ``backend`` is ``llamacpp`` (llama.cpp times a GGUF file as it is), or a bad
@@ -442,6 +446,6 @@ def load_random_models(
         raise ValueError(f"--random-weights runs on torch (--backend torch or auto), got --backend {backend}; "
                          "llama.cpp times the GGUF file given")  # fmt: skip
     place = {"dtype": dtype, "device": device, "cuda_graphs": cuda_graphs}
-    built_target = random_model(target, "target", **place)
+    built_target = random_model(target, "target", exact=exact, **place)
     built_draft = random_model(draft, "draft", seed=1, **place) if need_draft else None
     return built_target, built_draft

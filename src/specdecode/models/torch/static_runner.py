@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdecode.models.torch.compat import cache_keyword
+from specdecode.models.torch.exact import MASKED_ATTENTIONS
 from specdecode.models.torch.graphs import CapturedPass, PassOutputs
 from specdecode.models.torch.runner import ModelRunner, check_decoder_logits
 from specdecode.models.torch.static_cache import StaticKVCache
@@ -132,7 +133,7 @@ class StaticCacheRunner(ModelRunner):
     ) -> None:
         super().__init__(model, head_ids=head_ids, head_module=head_module)
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attention not in ("sdpa", "eager"):
+        if attention not in MASKED_ATTENTIONS:
             raise ValueError(f"a static KV cache needs sdpa or eager attention, the model uses {attention!r}")
         self.settings = settings or StaticCacheSettings()
         self.cache = StaticKVCache(_rounded(self.settings.capacity))  # type: ignore[assignment]
