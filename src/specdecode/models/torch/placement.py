@@ -9,6 +9,9 @@ Apple's ``mps`` may be named; it is not tested here and gets eager runners.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
@@ -69,3 +72,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock for timing the two sides of a decoding step on ``device``: ``time.perf_counter`` on
+    the CPU (work runs as it is called); elsewhere ``time.perf_counter`` read after
+    :func:`synchronize`. CUDA and MPS queue work: read unsynchronized, a pass's time is its launch's,
+    and the pass is charged to the next side that waits for it (the draft's host reads after the
+    target's replay: issue 49, item 5)."""
+    if device.type == "cpu":
+        return time.perf_counter
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    return clock
