@@ -216,7 +216,7 @@ class SpeculativeGenerator:
         proposer: str | None = "auto",
         backend: str = "auto",
         threads: int | None = None,
-        exact: bool = True,
+        exact: bool | None = None,
         device: str = "auto",
         cuda_graphs: bool = True,
         **proposer_options: Any,
@@ -246,9 +246,14 @@ class SpeculativeGenerator:
                 load path is :mod:`specdecode.load` (:func:`~specdecode.load.plan_models`, then
                 :func:`~specdecode.load.load_models`).
             threads: CPU threads of the llamacpp backend (None: every core this process may use).
-            exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
-                decoding on this backend (:mod:`specdecode.models.llamacpp.model`); False takes llama.cpp's
-                fastest kernels. Unused on torch (float32 is exact there).
+            exact: every row of a verification pass bit-identical to a one-token pass, so that
+                greedy output is the target alone's token for token and sampling uses its own
+                probabilities: llama.cpp's batch-invariant chunks (:mod:`specdecode.models.llamacpp.model`);
+                on torch, a bfloat16 / float16 target runs exact passes (:mod:`specdecode.models.torch.exact`
+                on the CPU; fixed-width passes on a GPU; float32 runs as it is). False takes the
+                fastest kernels (greedy output equal up to near-ties). None (default): on, except for
+                torch on a GPU, where it costs more than 15% of plain decoding's speed
+                (:func:`specdecode.load.default_exact`, docs/usage.md#exactness).
             device: where torch runs the models: ``"auto"`` (default: the CUDA GPU where torch sees
                 one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``
                 (:func:`~specdecode.models.torch.placement.resolve_device`); ``"cpu"`` also keeps a CUDA

@@ -256,12 +256,17 @@ def runner_capabilities(model: Any) -> RunnerCapabilities:
     :attr:`LlamaCppModel.capabilities <specdecode.models.llamacpp.LlamaCppModel.capabilities>`
     for a llama.cpp model, else :attr:`ModelRunner.capabilities
     <specdecode.models.torch.runner.ModelRunner.capabilities>` (batch-invariant for a model marked for
-    exact passes, :func:`~specdecode.models.torch.exact.use_exact_passes`)."""
+    exact passes: :func:`~specdecode.models.torch.exact.use_exact_passes` on the CPU; fixed-width
+    passes on a GPU, which run no trees)."""
     if _is_llamacpp(model):
         return model.capabilities  # its options decide batch_invariant and greedy_hints
     from specdecode.models.torch.exact import exact_passes
+    from specdecode.models.torch.static_runner import static_cache_settings
 
     capabilities = runner_class(model).capabilities  # type: ignore[attr-defined]
+    static = static_cache_settings(model)
+    if static is not None and static.exact_width is not None:  # fixed-width passes: exact chains, no trees
+        return replace(capabilities, batch_invariant=True, trees=False)
     return replace(capabilities, batch_invariant=True) if exact_passes(model) else capabilities
 
 

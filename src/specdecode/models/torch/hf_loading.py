@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from specdecode.errors import ModelNotFoundError
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
-from specdecode.models.torch.exact import use_exact_passes, wants_exact_passes
+from specdecode.models.torch.exact import EXACT_DTYPES, use_exact_passes, wants_exact_passes
 from specdecode.models.torch.placement import place_model, resolve_device
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "data" / "architectures"
@@ -98,9 +98,10 @@ def load_model(
     memory still held by objects in reference cycles (routed layers themselves form none: they
     hold their layer weakly).
 
-    With ``exact``, a bfloat16 or float16 model on the CPU is marked for exact passes (every row of a
-    verification pass bit-identical to a one-token pass: :func:`specdecode.models.torch.exact.use_exact_passes`);
-    float32 models are left as they are.
+    With ``exact``, a bfloat16 or float16 model is marked for exact passes (every row of a
+    verification pass bit-identical to a one-token pass): on the CPU one query row per attention call
+    (:func:`specdecode.models.torch.exact.use_exact_passes`), on a CUDA device fixed-width passes
+    (:func:`~specdecode.models.torch.placement.place_model`); float32 models are left as they are.
 
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir`, :func:`parse_dtype` and
@@ -117,8 +118,9 @@ def _ready(model: PreTrainedModel, place: torch.device, torch_dtype: torch.dtype
            cuda_graphs: bool, exact: bool = False) -> PreTrainedModel:  # fmt: skip
     """A built model made ready as :func:`load_model` describes: placed, or on the CPU routed through
     oneDNN, or marked for exact passes."""
-    if place.type != "cpu":
-        return place_model(model.eval(), place, cuda_graphs)  # type: ignore[return-value]
+    if place.type != "cpu":  # exact on a GPU: fixed-width passes (16-bit weights; float32 as it is)
+        exact_here = exact and torch_dtype in EXACT_DTYPES
+        return place_model(model.eval(), place, cuda_graphs, exact_here)  # type: ignore[return-value]
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
         if prepack_now:
