@@ -271,6 +271,9 @@ EXACT_TOKENS = int(os.environ.get("SPECDECODE_EXACT_TOKENS", "24"))
 
 @pytest.fixture(scope="module")
 def real_bf16() -> Any:
+    """The default pair on torch in bf16 on the CPU (exact mode: the default there), the prompts (first
+    turns of Spec-Bench dev prompts, one group after another) and the target alone's greedy tokens."""
+    from specdecode.bench.prompts import encode_chat, load_prompts
     from specdecode.errors import ModelNotFoundError
     from specdecode.load import load_models, plan_models
     from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
@@ -281,28 +284,31 @@ def real_bf16() -> Any:
         pytest.skip(f"default models not installed: {error}")
     before = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # real models use intra-op threads (conftest sets one)
-    yield load_models(plan_models(None, None, "draft_model", "torch", "bfloat16", device="cpu"))  # exact: default
+    loaded = load_models(plan_models(None, None, "draft_model", "torch", "bfloat16", device="cpu"))
+    groups = "translation,summarization,qa,math_reasoning,rag,mt_bench"
+    chosen = load_prompts(None, groups, -(-EXACT_TURNS // 6), shortest=True)[:EXACT_TURNS]
+    prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
+    alone = SpeculativeGenerator(loaded.target, tokenizer=loaded.tokenizer)
+    sampling = SamplingParams(max_new_tokens=EXACT_TOKENS)
+    expected = [alone.generate(p, sampling, speculative=False).token_ids for p in prompts]
+    yield loaded, prompts, expected
     torch.set_num_threads(before)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["draft_model", "prompt_lookup", "eagle"])
 def test_real_pair_bf16_greedy_equals_target_only(real_bf16, method: str) -> None:
-    from specdecode.bench.prompts import encode_chat, load_prompts
     from specdecode.proposers import PROPOSERS
 
-    target, tokenizer = real_bf16.target, real_bf16.tokenizer
+    loaded, prompts, expected = real_bf16
+    target, tokenizer = loaded.target, loaded.tokenizer
     assert exact_passes(target) and target.dtype == torch.bfloat16
-    groups = "translation,summarization,qa,math_reasoning,rag,mt_bench"
-    chosen = load_prompts(None, groups, -(-EXACT_TURNS // 6), shortest=True)[:EXACT_TURNS]
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
-    proposer = PROPOSERS[method].build(PROPOSERS[method].config(), target, real_bf16.draft)
+    proposer = PROPOSERS[method].build(PROPOSERS[method].config(), target, loaded.draft)
     generator = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=proposer)
     sampling = SamplingParams(max_new_tokens=EXACT_TOKENS)
     drafted = 0
-    for prompt in prompts:
-        alone = generator.generate(prompt, sampling, speculative=False)
+    for prompt, alone in zip(prompts, expected, strict=True):
         result = generator.generate(prompt, sampling)
-        assert result.token_ids == alone.token_ids, f"{method}: {tokenizer.decode(prompt)[-80:]!r}"
+        assert result.token_ids == alone, f"{method}: {tokenizer.decode(prompt)[-80:]!r}"
         drafted += result.stats.draft_tokens
     assert drafted > 0
