@@ -108,20 +108,26 @@ def test_tree_nodes_equal_decoding_their_branch(exact_target) -> None:
 
 
 def test_batched_rows_equal_one_token_passes(exact_target) -> None:
-    """The server's runner: rows of different lengths and widths in one pass, each equal to its own
-    sequence decoded token by token (declared batch-invariant)."""
-    batched = TorchBatchedRunner(exact_target, max_rows=3)
-    assert batched.capabilities.batch_invariant
+    """The server's runner: rows of different lengths and widths in one pass, each equal to the same
+    runner's one-token passes of that row after the same prefill (declared batch-invariant)."""
     prompts = [ids(n, 10 + n) for n in (30, 41, 7)]
-    conts = [ids(w, 20 + w) for w in (5, 1, 9)]
-    for _ in prompts:
-        batched.add_row()
-    batched.forward(0, prompts, [1, 1, 1])
-    out = batched.forward(0, conts, [len(c) for c in conts])
-    for prompt, cont, rows in zip(prompts, conts, out, strict=True):
-        expected = one_token_rows(ModelRunner(exact_target), prompt, cont)
-        for i in range(len(cont)):
-            assert torch.equal(rows[i], expected[i][0]), f"row of {len(prompt)} tokens, position {i}"
+    conts = [ids(9, 20 + b) for b in range(3)]
+    widths = (5, 1, 9)
+
+    def prefilled() -> TorchBatchedRunner:
+        runner = TorchBatchedRunner(exact_target, max_rows=3)
+        for _ in prompts:
+            runner.add_row()
+        runner.forward(0, prompts, [1, 1, 1])
+        return runner
+
+    one_token = prefilled()
+    assert one_token.capabilities.batch_invariant
+    steps = [one_token.forward(0, [c[j : j + 1] for c in conts], [1, 1, 1]) for j in range(9)]  # a token per row
+    out = prefilled().forward(0, [c[:w] for c, w in zip(conts, widths, strict=True)], list(widths))
+    for b, w in enumerate(widths):
+        for i in range(w):
+            assert torch.equal(out[b][i], steps[i][b][0]), f"row {b}, position {i}"
 
 
 # ------------------------------------------------------------------ greedy identity, end to end

@@ -37,6 +37,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -68,7 +69,10 @@ def row_attention(
     (``transformers``' attention-interface signature; no dropout: inference only).
 
     Row i of batch b attends the keys ``attention_mask[b, 0, i]`` allows (bool: True; additive:
-    0), or with no mask the causal prefix ``key[:, :, : L - W + i + 1]``. A row whose keys are a
+    0), or with no mask the causal prefix ``key[:, :, : L - W + i + 1]``. A pass with no cached keys
+    before it (``L == W``: a prompt's prefill, which plain and speculative decoding share) runs as
+    ``transformers``' sdpa attention, in one call: row by row, a long prompt's prefill would make
+    ``L`` calls per layer. A row whose keys are a
     prefix reads a view of the cache; another (a tree node) reads a gathered copy of its keys, the
     same values in the same order as the cache holds them when its branch is decoded token by token.
 
@@ -86,6 +90,8 @@ def row_attention(
     """
     B, H, W, _ = query.shape
     L = key.shape[2]
+    if L == W:  # a sequence's first pass (its prompt): no one-token pass to equal, both sides share it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     group = H // key.shape[1]
     if group > 1 and not _GQA:
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)  # (B, H, L, D)
