@@ -20,7 +20,8 @@ GPU: a CPU tensor and a CUDA tensor mixed in one operation crash only on the GPU
   takes them, copying them over behind the caller's back, which the device policy does not allow;
   ``strict_getitem=False`` lets them pass as CUDA does;
 - a CPU ``torch.Generator`` used with a stand-in tensor (``multinomial``, ``rand(...,
-  device=STAND_IN)``, ``exponential_``, ...) raises, as a CPU generator does with CUDA tensors.
+  device=STAND_IN)``, ``exponential_``, ...) raises, as a CPU generator does with CUDA tensors;
+- ``torch.cuda.synchronize`` returns at once (nothing is queued), counted in :attr:`StandInMode.syncs`.
 
 What it does not model: streams, asynchronous execution, memory limits, and CUDA's numerics (it is
 the CPU's arithmetic, bit for bit, so outputs can be compared with a plain CPU run exactly).
@@ -106,6 +107,7 @@ class StandInMode(TorchFunctionMode):
 
     Attributes:
         host_reads: device-to-host copies so far (``.cpu()``, ``.tolist()``, ``.item()``, ...).
+        syncs: ``torch.cuda.synchronize`` calls so far (a no-op here: nothing is queued).
         host_elements: the elements those copies moved.
         largest_read: the most elements one copy moved.
         strict_getitem: refuse CPU index tensors into stand-in tensors (stricter than CUDA,
@@ -115,6 +117,7 @@ class StandInMode(TorchFunctionMode):
     def __init__(self, strict_getitem: bool = True) -> None:
         super().__init__()
         self.host_reads = 0
+        self.syncs = 0
         self.host_elements = 0
         self.largest_read = 0
         self.strict_getitem = strict_getitem
@@ -224,10 +227,13 @@ def stand_in_device(strict_getitem: bool = True) -> Iterator[StandInMode]:
     stand-in ones (torch's ``overwrite_module_params_on_conversion`` is on for the block)."""
     overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
+    synchronize = torch.cuda.synchronize
     try:
         with StandInMode(strict_getitem) as mode:
+            torch.cuda.synchronize = lambda device=None: setattr(mode, "syncs", mode.syncs + 1)  # counted, no CUDA
             yield mode
     finally:
+        torch.cuda.synchronize = synchronize
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
 
 

@@ -10,7 +10,8 @@ Checks: greedy identity with target-only decoding on the device for every propos
 trees where the proposer drafts them), and the same tokens as the CPU; the sampled distribution of
 the first three tokens (chi-square against the exact target-only marginals, as in
 ``test_lossless.py``); log-probabilities equal to the CPU's within 1e-4; a constraint; the
-server's batched scheduler.
+server's batched scheduler; exact mode in bf16 (fixed-width passes): rows of the default target's
+architecture equal one-token passes at widths 1..9, greedy identity with tiny models.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.constraints import Regex
-from specdecode.models.torch.static_runner import StaticCacheSettings
+from specdecode.models.torch.static_runner import StaticCacheSettings, use_static_cache
 from specdecode.proposers import DraftModelProposer
 
 from conftest import make_tiny_model, perturbed_copy
@@ -229,3 +230,56 @@ def test_the_batched_scheduler_on_the_device(models, tiny_tokenizer) -> None:
     for c in greedy:
         assert c.tokens == reference(target, tiny_tokenizer, c.req.prompt_ids, c.req.sampling.max_new_tokens)
     assert sampled.final is not None and len(sampled.tokens) > 0
+
+
+# ------------------------------------------------------------------ exact mode in bf16: fixed-width passes
+# exact=True on a GPU: every pass after the prefill replays one graph of width 9 (StaticCacheSettings.exact_width),
+# so every row of a verification pass is what a one-token pass computes, bit for bit (docs/design.md §2c).
+EXACT = StaticCacheSettings(stand_in=REQUESTED == "cpu", exact_width=9)
+
+
+@pytest.mark.skipif(REQUESTED != "cuda", reason="the default target's architecture: a GPU's work (1.5B parameters)")
+def test_exact_rows_of_the_default_target_equal_one_token_passes() -> None:
+    """Random weights of the default target's architecture in bf16, graphs, exact mode: after 8 contexts
+    (7 of 400 tokens; one of 1,010, where the one-token passes grow the cache from 1,024 to 2,048
+    positions at token 1,016 and a pass of up to 9 tokens does not), every row of passes of 1..9 tokens
+    equals a one-token pass: 72/72 rows at width 9, 360/360 in all."""
+    from specdecode.models.backends import make_runner
+    from specdecode.models.torch.hf_loading import random_model
+
+    model = random_model(None, "target", dtype="bfloat16", device=str(DEVICE), exact=True)
+    V = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    identical = {W: 0 for W in range(1, 10)}
+    for c, length in enumerate([400] * 7 + [1010]):
+        prompt = torch.randint(0, V, (length,), generator=generator)
+        cont = torch.randint(0, V, (9,), generator=generator)
+        runner = make_runner(model)
+        runner.forward(prompt)
+        expected = [runner.forward(t.view(1)) for t in cont]  # (1, V) each
+        for W in identical:
+            if c == 7 or W == 1:  # a fresh runner (the last context: its cache has not grown)
+                runner = make_runner(model)
+            runner.reset()
+            runner.forward(prompt)
+            rows = runner.forward(cont[:W], num_logits=W)
+            identical[W] += sum(bool(torch.equal(rows[i], expected[i][0])) for i in range(W))
+        assert runner.graphs_failed is None and sorted(runner.graphs) == [9]
+    assert identical == {W: 8 * W for W in identical}, identical  # 72/72 rows at width 9
+
+
+@pytest.mark.parametrize("kind", [k for k in CHAIN_KINDS if k != "none"])
+def test_exact_bf16_greedy_equals_target_only_with_graphs(models, tiny_tokenizer, kind: str) -> None:
+    """Tiny models in bf16, the target in exact mode with graphs: greedy output equals the target alone's
+    on the device for every chain proposer (trees are refused in that mode)."""
+    bf16 = {k: v.to(torch.bfloat16) if isinstance(v, torch.nn.Module) else v for k, v in models.items()}
+    with on_device():
+        placed = place(bf16, DEVICE, GRAPHS)
+        use_static_cache(placed["target"], EXACT)
+        alone = tokens(make_generator("none", placed, tiny_tokenizer), GREEDY)
+        generator = make_generator(kind, placed, tiny_tokenizer)
+        result = generator.generate(PROMPT, GREEDY, raw=True)
+    assert result.token_ids == alone and result.stats.draft_tokens > 0
+    assert generator.target.capabilities.batch_invariant and not generator.target.capabilities.trees
+    if REQUESTED != "stand-in":
+        assert generator.target.graphs_failed is None and sorted(generator.target.graphs) == [9]

@@ -75,16 +75,19 @@ def test_the_plan_puts_the_models_where_the_device_says(model_dirs, monkeypatch)
     """With a (pretended) GPU, ``auto`` plans cuda:0 and the load places every model through
     place_model with the plan's cuda_graphs."""
     pretend_gpus(monkeypatch, 1)
-    placed: list[tuple[str, bool]] = []
+    placed: list[tuple[str, bool, bool]] = []
     monkeypatch.setattr(
         "specdecode.models.torch.hf_loading.place_model",
-        lambda model, device, graphs: placed.append((str(device), graphs)) or model,
+        lambda model, device, graphs, exact=False: placed.append((str(device), graphs, exact)) or model,
     )
     target, draft = model_dirs
     plan = plan_models(target, draft, "draft_model", backend="torch", cuda_graphs=False, dtype="float32")
-    assert plan.device == "cuda:0"
+    assert plan.device == "cuda:0" and not plan.exact  # exact mode is opt-in for torch on a GPU
     load_models(plan)
-    assert placed == [("cuda:0", False), ("cuda:0", False)]
+    assert placed == [("cuda:0", False, False), ("cuda:0", False, False)]
+    placed.clear()  # opted in, bf16: the target (only) gets fixed-width passes; float32 would run as it is
+    load_models(plan_models(target, draft, "draft_model", backend="torch", dtype="bfloat16", exact=True))
+    assert placed == [("cuda:0", True, True), ("cuda:0", True, False)]
 
 
 def test_the_command_line_refuses_a_device_it_cannot_use(model_dirs, capsys) -> None:

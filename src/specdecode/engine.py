@@ -22,7 +22,7 @@ features of context positions ``0 .. T - 2``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from specdecode.draft_gate import PassCosts
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens  # noqa: F401 (engine's names)
 from specdecode.logprobs import TokenLogprob, check_num_logprobs
 from specdecode.models.backends import backend_of, make_runner
+from specdecode.models.torch.placement import device_clock
 from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prediction import encode_prediction, prediction_record, with_prediction
@@ -225,7 +226,7 @@ class SpeculativeGenerator:
         proposer: str | None = "auto",
         backend: str = "auto",
         threads: int | None = None,
-        exact: bool = True,
+        exact: bool | None = None,
         device: str = "auto",
         cuda_graphs: bool = True,
         **proposer_options: Any,
@@ -255,9 +256,14 @@ class SpeculativeGenerator:
                 load path is :mod:`specdecode.load` (:func:`~specdecode.load.plan_models`, then
                 :func:`~specdecode.load.load_models`).
             threads: CPU threads of the llamacpp backend (None: every core this process may use).
-            exact: llamacpp backend: batch-invariant verification, so greedy output equals plain
-                decoding on this backend (:mod:`specdecode.models.llamacpp.model`); False takes llama.cpp's
-                fastest kernels. Unused on torch (float32 is exact there).
+            exact: every row of a verification pass bit-identical to a one-token pass, so that
+                greedy output is the target alone's token for token and sampling uses its own
+                probabilities: llama.cpp's batch-invariant chunks (:mod:`specdecode.models.llamacpp.model`);
+                on torch, a bfloat16 / float16 target runs exact passes (:mod:`specdecode.models.torch.exact`
+                on the CPU; fixed-width passes on a GPU; float32 runs as it is). False takes the
+                fastest kernels (greedy output equal up to near-ties). None (default): on, except for
+                torch on a GPU, where it costs more than 15% of plain decoding's speed
+                (:func:`specdecode.load.default_exact`, docs/usage.md#exactness).
             device: where torch runs the models: ``"auto"`` (default: the CUDA GPU where torch sees
                 one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``
                 (:func:`~specdecode.models.torch.placement.resolve_device`); ``"cpu"`` also keeps a CUDA
@@ -338,12 +344,13 @@ class SpeculativeGenerator:
         if proposer is not None:
             proposer.reset()
         features = needs_features(proposer)
+        clock = device_clock(target.device)  # synchronized off the CPU: each side is charged its own work
 
-        tic = time.perf_counter()
+        tic = clock()
         logits, hidden = _pass(
             target.forward(state.prompt_ids, num_logits=1, return_hidden=features)
         )  # (1, V): prefill
-        stats.prefill_time_s += time.perf_counter() - tic
+        stats.prefill_time_s += clock() - tic
         state.after_prefill(hidden)  # (T, H): every prompt position
         chain = proposer is not None and tree is None  # the widths of the passes to come: 1 + drafted,
         target.prepare_widths(range(1, schedule.k + 2) if chain else (1,))  # up to the starting k; CUDA graphs
@@ -353,26 +360,26 @@ class SpeculativeGenerator:
             # context[:T] is known; the target has cached context[:T - 1].
             room = state.room()
             if tree is not None and proposer is not None and room > 0:
-                result, kept_logits = self._tree_step(state, tree, room)  # 1.-5.
+                result, kept_logits = self._tree_step(state, tree, room, clock)  # 1.-5.
                 yield state.append(result.tokens, kept_logits)
                 continue
             k_step = min(schedule.next_k(), room) if proposer is not None else 0
-            tic = time.perf_counter()
+            tic = clock()
             draft = schedule.trim(state.propose(k_step))  # 1. (the draft gate may shorten a copied draft)
-            toc = time.perf_counter()
+            toc = clock()
             # a split pass may stop at a mismatch with the raw argmax (not the constrained one: no hint then)
             hint = draft.ids if sampling.greedy and len(draft) and state.constraint is None else None
             logits, hidden = _pass(
                 target.forward(state.step_input(draft.ids), len(draft) + 1, return_hidden=features, greedy_draft=hint)
             )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
-            tac = time.perf_counter()
+            tac = clock()
             stats.draft_time_s += toc - tic
             stats.target_time_s += tac - toc
             result = state.verify(draft, logits)  # 3. over the drafts scored (greedy: the rejection is among them)
             n = result.num_accepted
             target.truncate(state.T + n)  # 4. keep context + accepted drafts
             state.after_verify(len(draft), result, hidden[: n + 1] if hidden is not None else None)  # 4.-5.
-            step_s = time.perf_counter() - tic
+            step_s = clock() - tic
             self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), tac - toc, step_s)  # what passes cost here
             if proposer is not None:
                 schedule.update(len(draft), n, step_s, draft_time_s=toc - tic)
@@ -389,19 +396,21 @@ class SpeculativeGenerator:
             raise ValueError(f"tree: token trees use a fixed shape; schedule must be 'constant', got {plan.kind!r}")
         return spec
 
-    def _tree_step(self, state: DecodeState, tree: TreeSpec, room: int) -> tuple[VerifyResult, torch.Tensor | None]:
-        """Steps 1-4 of the loop with a token tree (:mod:`specdecode.tree`), at most ``room`` deep.
-        Returns the result and, when the state reports log-probabilities, the logits rows of the
-        root and the kept path ``[n + 1, V]`` (else None)."""
+    def _tree_step(
+        self, state: DecodeState, tree: TreeSpec, room: int, clock: Callable[[], float] = time.perf_counter
+    ) -> tuple[VerifyResult, torch.Tensor | None]:
+        """Steps 1-4 of the loop with a token tree (:mod:`specdecode.tree`), at most ``room`` deep,
+        timed by ``clock`` (the loop's). Returns the result and, when the state reports
+        log-probabilities, the logits rows of the root and the kept path ``[n + 1, V]`` (else None)."""
         target, proposer, stats = self.target, state.proposer, state.stats
         assert proposer is not None
-        tic = time.perf_counter()
+        tic = clock()
         draft = proposer.propose_tree(state.context[: state.T], tree, state.sampling, state.generator)  # type: ignore[attr-defined]
         if draft.depth > room:  # near max_new_tokens / the context limit
             draft = draft.prune(room)
         if state.constraint is not None:  # branches checked against the grammar (forbidden nodes cut), forced
             draft = state.constraint.shape_tree(draft)  # tokens added as chains, no deeper than the tree
-        toc = time.perf_counter()
+        toc = clock()
         depths, mask = tree_attention(draft.parents)  # (N + 1,), (N + 1, N + 1): node 0 is context[-1]
         cached = target.length  # T - 1
         attend = torch.cat([torch.ones(len(draft) + 1, cached, dtype=torch.bool), mask], dim=1)  # (N + 1, T + N)
@@ -413,7 +422,7 @@ class SpeculativeGenerator:
             target.forward_masked(ids, cached + depths, attend, return_hidden=features, greedy=greedy)
         )  # 2.
         stats.draft_time_s += toc - tic
-        stats.target_time_s += time.perf_counter() - toc
+        stats.target_time_s += clock() - toc
         if state.constraint is not None:  # 3. the target's distribution masked per node
             result = state.constraint.verify_tree(draft, logits, state.sampling, state.generator)
         else:

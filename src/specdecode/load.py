@@ -42,7 +42,8 @@ class ModelSource:
             name, or None for the default pair's model).
         dtype: ``--dtype``.
         backend: ``--backend`` (``auto``, ``torch``, ``llamacpp``).
-        threads, exact: ``--threads`` and ``--exact`` (llamacpp only).
+        threads, exact: ``--threads`` (llamacpp only) and ``--exact`` / ``--no-exact`` (None:
+            neither, :func:`default_exact`).
         device, cuda_graphs: ``--device`` and ``--cuda-graphs`` (torch; ``--device cpu`` also keeps
             llama.cpp's layers on the CPU).
     """
@@ -52,7 +53,7 @@ class ModelSource:
     dtype: str = "auto"
     backend: str = "auto"
     threads: int | None = None
-    exact: bool = True
+    exact: bool | None = None
     device: str = "auto"
     cuda_graphs: bool = True
 
@@ -70,7 +71,8 @@ class LoadPlan:
         target: the target's model folder (torch) or ``.gguf`` file (llamacpp).
         draft: the draft's, or None where no draft loads.
         name: the target's name (the server's model id unless another is given).
-        dtype, threads, exact: as given (:func:`plan_models`).
+        dtype, threads: as given (:func:`plan_models`).
+        exact: exact mode, decided (:func:`default_exact` where none was given).
         server: planned for the server (a draft given loads even if the proposer needs none; the
             proposer is not built: the server builds one per request).
         announce: the prefix of the notice on stderr when the proposer switches to ``cross_tokenizer``.
@@ -220,6 +222,15 @@ def choose(
     return chosen, proposer, options, config
 
 
+def default_exact(backend: str, device: str) -> bool:
+    """Exact mode where ``exact`` is not given: on wherever it costs at most 15% of plain decoding's
+    speed (docs/usage.md#exactness): llama.cpp (batch-invariant chunks) and torch on the CPU (one
+    query row per attention call; bf16 and fp16 targets, float32 runs as it is); off for torch on a
+    GPU, where fixed-width passes make a one-token pass cost a 9-token one (opt in with
+    ``exact=True``)."""
+    return not (backend == "torch" and device.startswith("cuda"))
+
+
 def plan_models(
     target: str | Path | None = None,
     draft: str | Path | None = None,
@@ -227,7 +238,7 @@ def plan_models(
     backend: str = "auto",
     dtype: Any = "auto",
     threads: int | None = None,
-    exact: bool = True,
+    exact: bool | None = None,
     *,
     device: str = "auto",
     cuda_graphs: bool = True,
@@ -246,7 +257,12 @@ def plan_models(
         backend: ``"auto"``, ``"torch"`` or ``"llamacpp"`` (resolved once,
             :func:`~specdecode.models.backends.resolve_backend`).
         dtype: ``"auto"``, ``"bfloat16"``, ``"float32"`` or a torch dtype.
-        threads, exact: the llamacpp backend's options (:class:`~specdecode.models.llamacpp.LlamaCppOptions`).
+        threads: the llamacpp backend's CPU threads.
+        exact: every row of a verification pass bit-identical to a one-token pass, so that greedy
+            output is the target alone's token for token: llama.cpp's batch-invariant chunks
+            (:class:`~specdecode.models.llamacpp.LlamaCppOptions`); a torch target in bfloat16 or
+            float16 gets exact passes (:mod:`specdecode.models.torch.exact` on the CPU, fixed-width
+            passes on a GPU). None: :func:`default_exact`.
         device: ``"auto"`` (a CUDA GPU where torch sees one, else the CPU), ``"cpu"``, ``"cuda"``,
             ``"cuda:N"`` or ``"mps"`` (:func:`~specdecode.models.torch.placement.resolve_device`).
         cuda_graphs: on a CUDA device, run torch's runners over a static KV cache with CUDA graphs
@@ -273,6 +289,7 @@ def plan_models(
     chosen, proposer, options, config = choose(
         proposer, backend, target, draft, dtype, server=server, device=place, **options
     )
+    exact = default_exact(chosen, place) if exact is None else exact
     needs_draft = proposer is not None and _spec(proposer).needs_draft
     loads_draft = needs_draft or (server and draft is not None)
     if chosen == "llamacpp":
@@ -317,7 +334,7 @@ def plan_bench_models(
     backend: str = "auto",
     dtype: Any = "auto",
     threads: int | None = None,
-    exact: bool = True,
+    exact: bool | None = None,
     *,
     need_draft: bool = False,
     device: str = "auto",
@@ -405,9 +422,8 @@ def load_models(plan: LoadPlan) -> LoadedModels:
 
         # the target first: its prepacked weights before the draft's copies (models.cpu.prepack)
         place = {"device": plan.device, "cuda_graphs": plan.cuda_graphs}
-        target = load_model(
-            plan.target, "target", plan.dtype, prepack_now=plan.prepack or plan.server or proposer is not None, **place
-        )
+        prepack_now = plan.prepack or plan.server or proposer is not None
+        target = load_model(plan.target, "target", plan.dtype, prepack_now=prepack_now, exact=plan.exact, **place)
         draft = load_model(plan.draft, "draft", plan.dtype, **place) if plan.draft is not None else None
         tokenizer = load_tokenizer(plan.target)
     built = None
@@ -425,11 +441,13 @@ def load_random_models(
     need_draft: bool = True,
     device: str = "auto",
     cuda_graphs: bool = True,
+    exact: bool | None = None,
 ) -> tuple[Any, Any]:
     """The target and (``need_draft``) the draft with random weights of their architectures
     (:func:`specdecode.models.torch.hf_loading.random_model`: a folder's ``config.json``, or the
     default pair's shipped one), on torch, placed as :func:`load_models` places loaded ones: what a
-    pass costs without the weights (``specdecode cost-table --random-weights``).
+    pass costs without the weights (``specdecode cost-table --random-weights``); the target with
+    ``exact`` passes as :func:`load_models` loads it (None: :func:`default_exact`).
 
     Raises:
         ValueError: ``backend`` is ``llamacpp`` (llama.cpp times a GGUF file as it is), or a bad
@@ -441,7 +459,10 @@ def load_random_models(
     if backend not in ("auto", "torch"):
         raise ValueError(f"--random-weights runs on torch (--backend torch or auto), got --backend {backend}; "
                          "llama.cpp times the GGUF file given")  # fmt: skip
+    from specdecode.models.torch.placement import resolve_device
+
     place = {"dtype": dtype, "device": device, "cuda_graphs": cuda_graphs}
-    built_target = random_model(target, "target", **place)
+    exact = default_exact("torch", str(resolve_device(device))) if exact is None else exact
+    built_target = random_model(target, "target", exact=exact, **place)
     built_draft = random_model(draft, "draft", seed=1, **place) if need_draft else None
     return built_target, built_draft

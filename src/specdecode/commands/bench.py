@@ -169,7 +169,7 @@ def _load_models(args: argparse.Namespace, need_draft: bool, backend: str = "tor
     from specdecode.load import load_models, plan_bench_models
     from specdecode.models.backends import target_gguf
 
-    threads, exact = getattr(args, "threads", None), getattr(args, "exact", True)
+    threads, exact = getattr(args, "threads", None), getattr(args, "exact", None)
     plan = plan_bench_models(
         args.target,
         args.draft,

@@ -98,10 +98,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="llamacpp: CPU threads (default: every core)")
     p.add_argument(
         "--exact",
-        default=True,
+        default=None,
         action=argparse.BooleanOptionalAction,
-        help="llamacpp: batch-invariant verification, greedy output equal to plain decoding (default); "
-        "--no-exact verifies in one pass, faster, equal up to near-ties",
+        help="every verification row bit-identical to a one-token pass, greedy output equal to plain decoding "
+        "(llama.cpp: batch-invariant chunks; torch bf16/fp16: exact passes); default on, except torch on a GPU "
+        "(fixed-width passes, opt in); --no-exact verifies in one pass, faster, equal up to near-ties",
     )
 
 

@@ -107,7 +107,7 @@ def cmd_cost_table(args: argparse.Namespace) -> int:
     if args.random_weights:
         target, draft = load_random_models(args.target, args.draft, options["backend"], args.dtype,
                                            need_draft=not args.no_draft, device=args.device,
-                                           cuda_graphs=args.cuda_graphs)  # fmt: skip
+                                           cuda_graphs=args.cuda_graphs, exact=options["exact"])  # fmt: skip
         backend = "torch"
     else:
         plan = plan_bench_models(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -259,17 +260,26 @@ def runner_capabilities(model: Any) -> RunnerCapabilities:
     proposer deciding how to build itself: a reduced head, an int8 copy, a drafter's LM-head rows):
     :attr:`LlamaCppModel.capabilities <specdecode.models.llamacpp.LlamaCppModel.capabilities>`
     for a llama.cpp model, else :attr:`ModelRunner.capabilities
-    <specdecode.models.torch.runner.ModelRunner.capabilities>`."""
+    <specdecode.models.torch.runner.ModelRunner.capabilities>` (batch-invariant for a model marked for
+    exact passes: :func:`~specdecode.models.torch.exact.use_exact_passes` on the CPU; fixed-width
+    passes on a GPU, which run no trees)."""
     if _is_llamacpp(model):
         return model.capabilities  # its options decide batch_invariant and greedy_hints
-    return runner_class(model).capabilities  # type: ignore[attr-defined]
+    from specdecode.models.torch.exact import exact_passes
+    from specdecode.models.torch.static_runner import static_cache_settings
+
+    capabilities = runner_class(model).capabilities  # type: ignore[attr-defined]
+    static = static_cache_settings(model)
+    if static is not None and static.exact_width is not None:  # fixed-width passes: exact chains, no trees
+        return replace(capabilities, batch_invariant=True, trees=False)
+    return replace(capabilities, batch_invariant=True) if exact_passes(model) else capabilities
 
 
 def describe_passes(model: Any, runner: Runner | None = None) -> str:
     """How passes of a loaded model run, in words, for records (a cost table's ``device``): the
     processor or GPU, the backend, the weights, and the runner's mode (llama.cpp: where its layers
     run, threads, exact or fast mode; torch: device, dtype, eager or static KV cache with CUDA
-    graphs). ``runner``: one :func:`make_runner` made of ``model`` already (else one is made)."""
+    graphs, exact passes). ``runner``: one :func:`make_runner` made of ``model`` already (else one is made)."""
     import os
     import platform
 
@@ -289,4 +299,5 @@ def describe_passes(model: Any, runner: Runner | None = None) -> str:
     from specdecode.models.torch.static_runner import StaticCacheRunner
 
     mode = "static KV cache and CUDA graphs" if isinstance(runner, StaticCacheRunner) else "eager"
-    return f"{where}, torch {torch.__version__} on {device}, {runner.dtype}, {mode}"
+    exact = ", exact passes" if runner.capabilities.batch_invariant else ""
+    return f"{where}, torch {torch.__version__} on {device}, {runner.dtype}, {mode}{exact}"

@@ -48,6 +48,7 @@ from specdecode.cost.serve_model import INITIAL_ACCEPTANCE, CostModel, plan_spec
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
+from specdecode.models.torch.placement import device_clock
 from specdecode.proposers import make_proposer
 from specdecode.proposers.base import DraftTokens
 from specdecode.schedule import acceptance_trials, expected_tokens
@@ -107,6 +108,7 @@ class Scheduler:
         self.tokenizer = copy.deepcopy(tokenizer)  # this thread's own: fast tokenizers are not shared safely
         self.eos = eos_token_ids(target, tokenizer)
         self.runner = make_batched_runner(target, settings.max_batch_size, self._row_capacity())
+        self._clock = device_clock(self.runner.device)  # synchronized off the CPU: each phase its own work
         self.metrics = metrics or ServeMetrics()
         self.metrics.kv_budget.set(settings.kv_budget_tokens)
         self.audit = audit
@@ -409,9 +411,9 @@ class Scheduler:
 
     def _prefill(self, seqs: list[RunningSequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
-        tic = time.perf_counter()
+        tic = self._clock()
         logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
-        self.metrics.step_phase.labels(phase="prefill").observe(time.perf_counter() - tic)
+        self.metrics.step_phase.labels(phase="prefill").observe(self._clock() - tic)
         for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
             s.after_prefill(row_hidden)  # (T, H): every prompt position
             result = s.verify(DraftTokens.empty(), row_logits)  # under a constraint: masked; on the logits' device
@@ -445,9 +447,9 @@ class Scheduler:
     def _step(self) -> None:
         seqs = list(self.active)
         phase = self.metrics.step_phase
-        t0 = time.perf_counter()
+        t0 = self._clock()
         ks = self._plan()
-        t1 = time.perf_counter()
+        t1 = self._clock()
         drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
@@ -456,9 +458,9 @@ class Scheduler:
             d.ids if s.sampling.greedy and len(d) and s.constraint is None else None
             for s, d in zip(seqs, drafts, strict=True)
         ]
-        tic = time.perf_counter()
+        tic = self._clock()
         logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs], hints)  # 2. one batched pass
-        seconds = time.perf_counter() - tic
+        seconds = self._clock() - tic
         if self.cost is not None:
             self.cost.observe_target(len(seqs), max(x.shape[0] for x in inputs), seconds)
         phase.labels(phase="plan").observe(t1 - t0)
@@ -509,14 +511,14 @@ class Scheduler:
         sequence goes on without speculation (its output is unchanged) and its summary says why."""
         if k <= 0 or s.proposer is None:
             return DraftTokens.empty()
-        tic = time.perf_counter()
+        tic = self._clock()
         try:
             draft = s.propose(k)
         except Exception as error:
             log.warning("proposer %s failed for %s: %s", s.req.proposer, s.req.request_id, traceback.format_exc())
             s.proposer, s.proposer_error = None, f"{type(error).__name__}: {error}"
             return DraftTokens.empty()
-        seconds = time.perf_counter() - tic
+        seconds = self._clock() - tic
         s.stats.draft_time_s += seconds
         # c_p is the steady cost per drafted token: a call that first caught up with more context
         # than one step adds (the proposer's prompt prefill on its first call, or the tokens of the

@@ -31,6 +31,7 @@ layers get the same mask, cut to the window.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,10 +39,9 @@ from transformers import PreTrainedModel
 
 from specdecode.models.contract import RowTable, RunnerCapabilities
 from specdecode.models.torch.compat import cache_kwargs
+from specdecode.models.torch.exact import MASKED_ATTENTIONS, exact_passes
 from specdecode.models.torch.runner import check_decoder_logits
 from specdecode.models.torch.static_cache import grown_buffer
-
-_ATTENTION = ("sdpa", "eager")
 
 
 class BatchedKVCache:
@@ -142,14 +142,17 @@ class TorchBatchedRunner:
 
     capabilities = RunnerCapabilities(backend="torch", returns_hidden=True, trees=False, model_insides=True)
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
-    features, no trees, the model's insides; one pass scores every row (no greedy hints)."""
+    features, no trees, the model's insides; one pass scores every row (no greedy hints).
+    Batch-invariant only for a model marked for exact passes (an instance then declares it)."""
 
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int = 256) -> None:
         self.rows = RowTable(max_rows)  # checks max_rows
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attention not in _ATTENTION:
+        if attention not in MASKED_ATTENTIONS:
             raise ValueError(f"the batched runner needs sdpa or eager attention, the model uses {attention!r}")
         self.model = model.eval()
+        if exact_passes(model):  # every row of a pass is what a one-token pass computes
+            self.capabilities = replace(type(self).capabilities, batch_invariant=True)
         self.max_rows = max_rows
         self.cache = BatchedKVCache(max_rows, capacity)
         config = model.config

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from specdecode.errors import ModelNotFoundError
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
+from specdecode.models.torch.exact import EXACT_DTYPES, use_exact_passes, wants_exact_passes
 from specdecode.models.torch.placement import place_model, resolve_device
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "data" / "architectures"
@@ -79,6 +80,7 @@ def load_model(
     prepack_now: bool = False,
     device: str | torch.device = "cpu",
     cuda_graphs: bool = True,
+    exact: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM in ``dtype`` for inference on ``device`` (``spec`` as in :func:`resolve_model_dir`).
 
@@ -96,6 +98,11 @@ def load_model(
     memory still held by objects in reference cycles (routed layers themselves form none: they
     hold their layer weakly).
 
+    With ``exact``, a bfloat16 or float16 model is marked for exact passes (every row of a
+    verification pass bit-identical to a one-token pass): on the CPU one query row per attention call
+    (:func:`specdecode.models.torch.exact.use_exact_passes`), on a CUDA device fixed-width passes
+    (:func:`~specdecode.models.torch.placement.place_model`); float32 models are left as they are.
+
     Raises:
         ModelNotFoundError, ValueError: see :func:`resolve_model_dir`, :func:`parse_dtype` and
             :func:`~specdecode.models.torch.placement.resolve_device`.
@@ -104,18 +111,22 @@ def load_model(
     torch_dtype = parse_dtype(dtype, place)
     gc.collect()  # dropped models caught in reference cycles give their memory back before the next load
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
-    return _ready(model, place, torch_dtype, onednn, prepack_now, cuda_graphs)
+    return _ready(model, place, torch_dtype, onednn, prepack_now, cuda_graphs, exact)
 
 
 def _ready(model: PreTrainedModel, place: torch.device, torch_dtype: torch.dtype, onednn: bool, prepack_now: bool,
-           cuda_graphs: bool) -> PreTrainedModel:  # fmt: skip
-    """A built model made ready as :func:`load_model` describes: placed, or on the CPU routed through oneDNN."""
-    if place.type != "cpu":
-        return place_model(model.eval(), place, cuda_graphs)  # type: ignore[return-value]
+           cuda_graphs: bool, exact: bool = False) -> PreTrainedModel:  # fmt: skip
+    """A built model made ready as :func:`load_model` describes: placed, or on the CPU routed through
+    oneDNN, or marked for exact passes."""
+    if place.type != "cpu":  # exact on a GPU: fixed-width passes (16-bit weights; float32 as it is)
+        exact_here = exact and torch_dtype in EXACT_DTYPES
+        return place_model(model.eval(), place, cuda_graphs, exact_here)  # type: ignore[return-value]
     if onednn and torch_dtype == torch.float32:
         use_onednn_linears(model)
         if prepack_now:
             prepack(model)
+    if exact and wants_exact_passes(model):
+        use_exact_passes(model)
     return model.eval()
 
 
@@ -150,6 +161,7 @@ def random_model(
     device: str | torch.device = "cpu",
     cuda_graphs: bool = True,
     seed: int = 0,
+    exact: bool = False,
 ) -> PreTrainedModel:
     """A model of ``spec``'s architecture (:func:`model_config`) with random weights (the
     architecture's own initialization, seeded), made ready as :func:`load_model` makes a loaded
@@ -167,7 +179,7 @@ def random_model(
     torch.manual_seed(seed)
     with torch.device(place):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    return _ready(model, place, torch_dtype, onednn=True, prepack_now=role == "target", cuda_graphs=cuda_graphs)
+    return _ready(model, place, torch_dtype, True, role == "target", cuda_graphs, exact)
 
 
 def load_tokenizer(model_dir: Path) -> Any:

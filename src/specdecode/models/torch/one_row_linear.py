@@ -5,6 +5,8 @@ On some CPUs PyTorch's one-row bf16 kernel is slower than its two-row matrix pro
 ``lab/scripts/bench_linear_rows.py``); computing the row twice and keeping the first copy is then
 faster. Row 0 of the two-row product is the same dot products as the one-row product, possibly
 summed in another order, so the result may differ in the last bits, as any change of kernel does.
+In bfloat16 on a CPU with AVX512-BF16 it is what makes one-row calls round as every row of a wider
+product does: exact passes pad for good (:mod:`specdecode.models.torch.exact`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 _FLAG = "_specdecode_padded_row"
 
@@ -33,6 +36,19 @@ def _unpad(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor)
     return output[..., :1, :]  # [..., 1, out]
 
 
+def pad_linear_rows(model: torch.nn.Module) -> list[RemovableHandle]:
+    """Give every ``nn.Linear`` of ``model`` (or ``model`` itself) hooks that compute a call on exactly
+    one row (input ``[..., 1, in]`` with one row in all) as two equal rows and return the first;
+    other inputs pass unchanged. Returns the hooks' handles (``handle.remove()`` undoes it). Exact
+    passes keep them for good (:mod:`specdecode.models.torch.exact`)."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(_pad))
+            handles.append(module.register_forward_hook(_unpad))
+    return handles
+
+
 @contextmanager
 def pad_single_rows(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, every ``nn.Linear`` of ``model`` called on exactly one row (input
@@ -49,11 +65,7 @@ def pad_single_rows(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Yields:
         ``model`` itself.
     """
-    handles = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            handles.append(module.register_forward_pre_hook(_pad))
-            handles.append(module.register_forward_hook(_unpad))
+    handles = pad_linear_rows(model)
     try:
         yield model
     finally:

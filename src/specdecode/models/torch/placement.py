@@ -9,6 +9,9 @@ Apple's ``mps`` may be named; it is not tested here and gets eager runners.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
@@ -49,16 +52,22 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
 
 
-def place_model(model: torch.nn.Module, device: torch.device, cuda_graphs: bool = True) -> torch.nn.Module:
+def place_model(
+    model: torch.nn.Module, device: torch.device, cuda_graphs: bool = True, exact: bool = False
+) -> torch.nn.Module:
     """Move a loaded model to ``device`` (nothing for the CPU); on a CUDA device with ``cuda_graphs``,
-    mark it for the static KV cache and CUDA graphs. Returns the model."""
+    mark it for the static KV cache and CUDA graphs; with ``exact`` (a CUDA device), for fixed-width
+    passes too (:attr:`~specdecode.models.torch.static_runner.StaticCacheSettings.exact_width`, every
+    row of a verification pass bit-identical to a one-token pass; eager with ``cuda_graphs=False``).
+    Returns the model."""
     if device.type == "cpu":
         return model
     model = model.to(device)
-    if device.type == "cuda" and cuda_graphs:
-        from specdecode.models.torch.static_runner import use_static_cache
+    if device.type == "cuda" and (cuda_graphs or exact):
+        from specdecode.models.torch.static_runner import DEFAULT_EXACT_WIDTH, StaticCacheSettings, use_static_cache
 
-        use_static_cache(model)  # type: ignore[arg-type]
+        settings = StaticCacheSettings(cuda_graphs=cuda_graphs, exact_width=DEFAULT_EXACT_WIDTH if exact else None)
+        use_static_cache(model, settings)  # type: ignore[arg-type]
     return model
 
 
@@ -69,3 +78,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock for timing the two sides of a decoding step on ``device``: ``time.perf_counter`` on
+    the CPU (work runs as it is called); elsewhere ``time.perf_counter`` read after
+    :func:`synchronize`. CUDA and MPS queue work: read unsynchronized, a pass's time is its launch's,
+    and the pass is charged to the next side that waits for it (the draft's host reads after the
+    target's replay: issue 49, item 5)."""
+    if device.type == "cpu":
+        return time.perf_counter
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    return clock

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdecode.models.contract import RunnerCapabilities
 from specdecode.models.torch.compat import cache_kwargs
 from specdecode.models.torch.cpu import use_onednn_linears
+from specdecode.models.torch.exact import MASKED_ATTENTIONS, exact_passes
 
 # Config attributes of models whose logits are not plain ``lm_head(hidden states)`` (soft-capping in
 # Gemma 2/3, ``logit_scale`` in Cohere, ``logits_scaling`` in Granite), with their neutral values:
@@ -110,12 +112,15 @@ class ModelRunner:
     )
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
     features, trees, a reduced head, the model's insides; one pass scores every row (no greedy
-    hints), not batch-invariant bit for bit."""
+    hints). Batch-invariant bit for bit only for a model marked for exact passes
+    (:func:`~specdecode.models.torch.exact.use_exact_passes`): then an instance declares it."""
 
     def __init__(
         self, model: PreTrainedModel, head_ids: torch.Tensor | None = None, head_module: torch.nn.Module | None = None
     ) -> None:
         self.model = model.eval()
+        if exact_passes(model):  # every row of a pass is what a one-token pass computes
+            self.capabilities = replace(type(self).capabilities, batch_invariant=True)
         self.cache = DynamicCache(config=model.config)
         self.length = 0
         self.head_ids: torch.Tensor | None = None  # int64 [N] on the model's device, or None
@@ -358,7 +363,7 @@ class ModelRunner:
                 f"token trees: {name} has sliding-window or non-standard layers {sorted(types)}; not supported"
             )
         attention = getattr(config, "_attn_implementation", None) or "eager"
-        if attention not in ("sdpa", "eager"):
+        if attention not in MASKED_ATTENTIONS:
             raise ValueError(f"token trees need sdpa or eager attention; {name} uses {attention!r}")
         V = self.vocab_size
         a, b, c, d, e, f = (torch.tensor([(7 + 13 * i) % V]) for i in range(6))

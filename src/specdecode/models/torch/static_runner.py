@@ -10,6 +10,11 @@ prefill), token trees (:meth:`~ModelRunner.forward_masked`) and CPU devices run 
 cache. Rollback is a length change. A capture that fails falls back to eager passes for good, with
 one line on stderr.
 
+Exact mode (``StaticCacheSettings.exact_width``, ``exact=True`` on a GPU): every chain pass after the
+first has one width, the tokens padded, so a one-token pass and a verification pass replay the same
+graph and every row is bit-identical to a one-token pass (cuBLAS picks its kernels by the row count,
+so passes of different widths round differently in bfloat16).
+
 Which models use it: :func:`use_static_cache` marks a model; :func:`torch_runner` (called by
 :func:`specdecode.models.backends.make_runner` and the draft-model proposer) then builds this runner
 for it instead of the eager one. Docs: docs/design.md §2c.
@@ -20,12 +25,13 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.models.torch.compat import cache_keyword
+from specdecode.models.torch.exact import MASKED_ATTENTIONS
 from specdecode.models.torch.graphs import CapturedPass, PassOutputs
 from specdecode.models.torch.runner import ModelRunner, check_decoder_logits
 from specdecode.models.torch.static_cache import StaticKVCache
@@ -55,6 +61,12 @@ class StaticCacheSettings:
             seconds per width) or ``"max-autotune-no-cudagraphs"`` (also tries matrix-product
             kernels: minutes per width). Never a mode with inductor's own CUDA graphs: the runner
             captures its own.
+        exact_width: exact mode (None: off): every chain pass after a sequence's first runs as
+            passes of exactly this many rows over the whole cache, the tokens first and padding
+            after (a longer pass is split), so one-token passes and verification passes run the same
+            kernels on the same shapes and every row is bit-identical to a one-token pass
+            (:meth:`StaticCacheRunner.forward`). Token trees are refused (their nodes' keys sit
+            among their siblings' in the cache, another summation order than decoding the branch).
     """
 
     cuda_graphs: bool = True
@@ -64,6 +76,12 @@ class StaticCacheSettings:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: str | None = None
+    exact_width: int | None = None
+
+
+DEFAULT_EXACT_WIDTH = 9
+"""The pass width of exact mode on a GPU: the widest verification of every proposer's default k
+(prompt lookup's 8 drafts) in one pass; a one-token pass then costs a 9-token one."""
 
 
 _MARKED: weakref.WeakKeyDictionary[PreTrainedModel, StaticCacheSettings] = weakref.WeakKeyDictionary()
@@ -74,13 +92,16 @@ def use_static_cache(model: PreTrainedModel, settings: StaticCacheSettings | Non
     device, replay CUDA graphs; returns ``model``. ``settings=None``: :class:`StaticCacheSettings()`.
 
     Raises:
-        ValueError: ``max_graph_width`` < 1 or ``capacity`` < 1.
+        ValueError: ``max_graph_width`` < 1 or ``capacity`` < 1, or ``exact_width`` outside
+            ``[1, max_graph_width]``.
     """
     settings = settings or StaticCacheSettings()
     if settings.max_graph_width < 1 or settings.capacity < 1:
         raise ValueError(
             f"max_graph_width and capacity must be >= 1, got {settings.max_graph_width} and {settings.capacity}"
         )
+    if settings.exact_width is not None and not 1 <= settings.exact_width <= settings.max_graph_width:
+        raise ValueError(f"exact_width must be in [1, {settings.max_graph_width}], got {settings.exact_width}")
     _MARKED[model] = settings
     return model
 
@@ -132,9 +153,11 @@ class StaticCacheRunner(ModelRunner):
     ) -> None:
         super().__init__(model, head_ids=head_ids, head_module=head_module)
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attention not in ("sdpa", "eager"):
+        if attention not in MASKED_ATTENTIONS:
             raise ValueError(f"a static KV cache needs sdpa or eager attention, the model uses {attention!r}")
         self.settings = settings or StaticCacheSettings()
+        if self.settings.exact_width is not None:  # fixed-width passes: chains exact, no trees
+            self.capabilities = replace(type(self).capabilities, batch_invariant=True, trees=False)
         self.cache = StaticKVCache(_rounded(self.settings.capacity))  # type: ignore[assignment]
         check_decoder_logits(self.model, "a static KV cache")  # the pass is decoder + head
         self.graphs: dict[int, CapturedPass] = {}
@@ -228,6 +251,10 @@ class StaticCacheRunner(ModelRunner):
         if not 1 <= num_logits <= T:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
         start = self.length
+        if self.settings.exact_width is not None and start > 0:
+            logits, hidden = self._fixed_width(input_ids.view(T), self.settings.exact_width)
+            logits = logits[-num_logits:]  # (num_logits, V)
+            return (logits, hidden) if return_hidden else logits
         self._reserve(start + T)
         positions = torch.arange(start, start + T)  # (T,) on the CPU: copied into the graph's buffer
         if self.uses_graphs and T <= self.settings.max_graph_width and start > 0:  # not a prompt's prefill
@@ -243,6 +270,28 @@ class StaticCacheRunner(ModelRunner):
         logits = logits[-num_logits:].clone()  # (num_logits, V): the graph's buffer is reused
         return (logits, hidden.clone()) if return_hidden else logits
 
+    def _fixed_width(self, ids: torch.Tensor, width: int) -> PassOutputs:
+        """Exact mode: append ``ids`` (int64 ``[T]``) in passes of exactly ``width`` rows at the next
+        cache slots, over the whole cache (captured once, or eagerly with the same shapes), padded
+        with token 0 after the last chunk's tokens: the padding's keys and values land past
+        :attr:`length`, masked for every real row and overwritten later. Returns fresh float32 logits
+        ``[T, V]`` and hidden states ``[T, H]`` of the T tokens."""
+        logits, hidden = [], []
+        for first in range(0, int(ids.shape[0]), width):
+            part = ids[first : first + width]
+            n, start = int(part.shape[0]), self.length
+            self._reserve(start + width)
+            padded = torch.zeros(width, dtype=torch.int64, device=part.device)  # (W,)
+            padded[:n] = part
+            positions = torch.arange(start, start + width)  # (W,) cache slots and rotary positions
+            outputs = self._replay(padded, positions) if self.uses_graphs else None
+            if outputs is None:  # the captured pass's shapes, eagerly: the whole cache, every row scored
+                outputs = self._pass(padded.view(1, width).to(self.device), positions.to(self.device))
+            logits.append(outputs[0][:n].clone())  # (n, V): the graph's buffers are reused
+            hidden.append(outputs[1][:n].clone())  # (n, H)
+            self.length = start + n
+        return torch.cat(logits), torch.cat(hidden)
+
     @torch.inference_mode()
     def prepare_widths(self, widths: Iterable[int]) -> None:
         """Capture the passes of these widths now (those not captured yet, up to ``max_graph_width``;
@@ -250,6 +299,8 @@ class StaticCacheRunner(ModelRunner):
         :attr:`length`, which the next real pass overwrites and the mask hides until then."""
         if not self.uses_graphs:
             return
+        if self.settings.exact_width is not None:  # every pass after the first has this width
+            widths = [self.settings.exact_width]
         for T in sorted({int(w) for w in widths}):
             if not 1 <= T <= self.settings.max_graph_width or T in self.graphs:
                 continue
@@ -281,6 +332,18 @@ class StaticCacheRunner(ModelRunner):
                 return None
             self.graphs[T] = captured
         return captured.replay(ids, positions)
+
+    def forward_masked(self, *args: object, **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`ModelRunner.forward_masked <specdecode.models.torch.runner.ModelRunner.forward_masked>`.
+
+        Raises:
+            ValueError: also in exact mode (``exact_width``), which runs no token trees.
+        """
+        if self.settings.exact_width is not None:
+            raise ValueError(
+                "token trees are not exact on a fixed-width runner (exact mode on a GPU): use a chain, or exact=False"
+            )
+        return super().forward_masked(*args, **kwargs)  # type: ignore[arg-type]
 
     def _masked_inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor, cache: object
