@@ -66,7 +66,7 @@ def test_logprobs_equal_rescoring_on_the_llamacpp_target(pair, proposer, samplin
     target, draft, tokenizer = pair
     built = make_proposer(proposer, draft=draft, target=target) if proposer else None
     spec = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=built)
-    result = spec.generate(PROMPT, sampling, logprobs=5, tree=tree)
+    result = spec.generate(PROMPT, sampling, logprobs=5, tree=tree, schedule="ungated")  # every draft sent
     ids = result.token_ids
     assert len(result.logprobs) == len(ids) > 1
     if proposer is not None:  # accepted drafts (the greedy draft model: all of them, bonus tokens)
