@@ -120,7 +120,10 @@ def make_generator(kind: str, models: dict[str, Any], tokenizer: PreTrainedToken
 
 
 def generate(generator: SpeculativeGenerator, sampling: SamplingParams, **options: Any) -> GenerationResult:
-    """One generation of :data:`PROMPT` (raw: no chat template); speculative unless there is no proposer."""
+    """One generation of :data:`PROMPT` (raw: no chat template); speculative unless there is no proposer;
+    every draft sent (``schedule="ungated"``: the draft gate's choices follow measured times, and these
+    cases compare drafts across devices)."""
+    options.setdefault("schedule", "ungated")
     return generator.generate(PROMPT, sampling, raw=True, speculative=generator.proposer is not None, **options)
 
 

@@ -245,7 +245,8 @@ def test_fixed_width_greedy_equals_target_only(tiny_tokenizer, kind: str) -> Non
     alone = make_generator("none", models, tiny_tokenizer)
     expected = tokens(alone, GREEDY)
     generator = make_generator(kind, models, tiny_tokenizer)
-    result = generator.generate("def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a", GREEDY, raw=True)
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a"
+    result = generator.generate(prompt, GREEDY, raw=True, schedule="ungated")  # every draft sent
     assert result.token_ids == expected and result.stats.draft_tokens > 0
     assert sorted(generator.target.graphs) == sorted(alone.target.graphs) == [9]
 
