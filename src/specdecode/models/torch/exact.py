@@ -69,12 +69,16 @@ def row_attention(
     (``transformers``' attention-interface signature; no dropout: inference only).
 
     Row i of batch b attends the keys ``attention_mask[b, 0, i]`` allows (bool: True; additive:
-    0), or with no mask the causal prefix ``key[:, :, : L - W + i + 1]``. A pass with no cached keys
-    before it (``L == W``: a prompt's prefill, which plain and speculative decoding share) runs as
-    ``transformers``' sdpa attention, in one call: row by row, a long prompt's prefill would make
-    ``L`` calls per layer. A row whose keys are a
+    0), or with no mask the causal prefix ``key[:, :, : L - W + i + 1]``. A row whose keys are a
     prefix reads a view of the cache; another (a tree node) reads a gathered copy of its keys, the
     same values in the same order as the cache holds them when its branch is decoded token by token.
+
+    A pass with no cached keys before it (``L == W``: a prompt's prefill, which plain and speculative
+    decoding share) runs as ``transformers``' sdpa attention, in one call: row by row, a long
+    prompt's prefill would make ``L`` calls per layer. The rows run on one thread: each is little
+    work, and on a CPU shared with other processes a thread team per call waits for its descheduled
+    members (a 9-token pass of the default target took 6.8 s with two threads per row, 4.0 s with
+    one, on the project's busy 2-core machine).
 
     Args:
         module: the attention layer (unused; part of the interface).
@@ -98,15 +102,20 @@ def row_attention(
     gqa = {"enable_gqa": True} if group > 1 and _GQA else {}
     spans = _key_spans(attention_mask, B, W, L)
     out = query.new_empty(B, W, H, value.shape[-1])  # (B, W, H, D)
-    for b in range(B):
-        for i in range(W):
-            span = spans[b][i] if spans is not None else L - W + i + 1
-            if isinstance(span, int):  # a prefix: a view
-                k, v = key[b : b + 1, :, :span], value[b : b + 1, :, :span]  # (1, H_kv, n, D)
-            else:  # gathered keys of a tree node
-                k, v = key[b : b + 1, :, span], value[b : b + 1, :, span]
-            row = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling, **gqa)
-            out[b, i] = row[0, :, 0]  # (H, D)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one row is little work: no thread team per call (on a busy CPU, a wait each)
+    try:
+        for b in range(B):
+            for i in range(W):
+                span = spans[b][i] if spans is not None else L - W + i + 1
+                if isinstance(span, int):  # a prefix: a view
+                    k, v = key[b : b + 1, :, :span], value[b : b + 1, :, :span]  # (1, H_kv, n, D)
+                else:  # gathered keys of a tree node
+                    k, v = key[b : b + 1, :, span], value[b : b + 1, :, span]
+                row = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling, **gqa)
+                out[b, i] = row[0, :, 0]  # (H, D)
+    finally:
+        torch.set_num_threads(threads)
     return out, None
 
 
