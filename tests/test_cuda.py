@@ -81,7 +81,9 @@ def test_greedy_equals_target_only_on_the_device(models, tiny_tokenizer, cpu_gre
         placed = on(models)
         alone = tokens(make_generator("none", placed, tiny_tokenizer), GREEDY)
         generator = make_generator(kind, placed, tiny_tokenizer)
-        result = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none")
+        result = generator.generate(
+            PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none", schedule="ungated"  # every draft
+        )
     assert result.token_ids == alone
     assert alone == cpu_greedy  # float32, clear maxima: the device's rounding changes no argmax
     assert (result.stats.draft_tokens > 0) == (kind != "none")  # the speculative path really ran
@@ -154,7 +156,9 @@ def test_graphs_greedy_equals_target_only(models, tiny_tokenizer, cpu_greedy, ki
         alone = make_generator("none", placed, tiny_tokenizer)
         alone_tokens = tokens(alone, GREEDY)
         generator = make_generator(kind, placed, tiny_tokenizer)
-        result = generator.generate(PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none")
+        result = generator.generate(
+            PROMPT, GREEDY, raw=True, tree=tree, speculative=kind != "none", schedule="ungated"  # every draft
+        )
     assert result.token_ids == alone_tokens == cpu_greedy
     assert (result.stats.draft_tokens > 0) == (kind != "none")
     if REQUESTED != "stand-in":
