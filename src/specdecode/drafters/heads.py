@@ -377,7 +377,9 @@ class EagleHead(Drafter):
             features: ``[B, M, H]``, ``f_p`` (true or predicted) for M positions p.
             token_ids: int64 ``[B, M]``, the token at ``p + 1`` for each.
             position_ids: int64 ``[B, M]``, ``p + 1`` (the position of the token fed).
-            cache: the head's KV cache (extended in place), or None (no cache, causal over the M).
+            cache: the head's KV cache (extended in place), or None (no cache, causal over the M); or a
+                :class:`~specdecode.models.torch.static_cache.StaticKVCache` the caller prepared, with
+                a ready mask (:mod:`specdecode.drafters.graphs`).
             attention_mask: None (causal), or a ready 4D additive mask as ``{"full_attention": [B, 1, M, L]}``
                 for token trees.
 
