@@ -275,3 +275,29 @@ def test_trees_and_sampled_requests_stay_eager_with_the_eager_drafts(models, tin
     else:
         assert all(key[0] == "sync" for key in proposer.graphed.graphs)
         assert proposer.graphed.length == proposer._cached  # only the true pairs held
+
+
+def test_the_head_cache_grows_and_drops_its_graphs() -> None:
+    """Crossing the static cache's capacity (1,024 entries) moves its buffers: the captured passes,
+    which read the old ones, are dropped and captured again; the drafts stay those of a head whose
+    cache was large enough from the start."""
+    target = make_tiny_model(seed=0)
+    drafter = make_drafter("eagle", use_static_cache(copy.deepcopy(target), STAND_IN), seed=3)
+    small = EagleHeadGraphs(drafter, STAND_IN)
+    large = EagleHeadGraphs(drafter, StaticCacheSettings(stand_in=True, capacity=2048))
+    g = torch.Generator().manual_seed(9)
+    H, V = target.config.hidden_size, target.config.vocab_size
+    n = 1018
+    features, ids = torch.randn(n + 12, H, generator=g), torch.randint(0, V, (n + 12,), generator=g)
+    for head in (small, large):
+        head.forward(features[:n], ids[:n], torch.arange(1, n + 1))
+    drafts = {}
+    for name, head in (("small", small), ("large", large)):
+        out = []
+        for start, m in ((n, 1), (n + 1, 2), (n + 3, 1), (n + 4, 1)):  # the second chain crosses 1,024
+            feature = head.sync(features[start : start + m], ids[start : start + m])
+            out.append(head.chain(feature, 4).tolist())
+        drafts[name] = out
+    assert drafts["small"] == drafts["large"]
+    assert small.cache.capacity == 2048 and large.cache.capacity == 2048
+    assert sorted(small.graphs, key=str) == [("chain", 4), ("sync", 1)]  # ("sync", 2): dropped with the old buffers
