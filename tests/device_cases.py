@@ -79,13 +79,20 @@ def place(
 
 def make_drafter(kind: str, target: PreTrainedModel, seed: int = 0) -> Any:
     """A randomly initialised Medusa / EAGLE drafter over the whole vocabulary, attached to (and so
-    placed on the device of) ``target``."""
+    placed on the device of) ``target``. Medusa's blocks get std 0.2 (not their identity start), so
+    that heads differ; the EAGLE head's decoder matrices std 0.3 (not 0.02), so that its drafts
+    depend on what its KV cache holds and at which positions (a wrong slot or a stale entry changes them)."""
     V = target.config.vocab_size
     torch.manual_seed(seed)
     drafter = build_drafter(DrafterConfig.for_target(kind, target, V, num_heads=HEADS), torch.arange(V))
-    if kind == "medusa":
-        for block in drafter.blocks:
-            torch.nn.init.normal_(block.weight, std=0.2)
+    with torch.no_grad():
+        if kind == "medusa":
+            for block in drafter.blocks:
+                torch.nn.init.normal_(block.weight, std=0.2)
+        else:
+            for weight in drafter.decoder.parameters():
+                if weight.dim() == 2:
+                    torch.nn.init.normal_(weight, std=0.3)
     return drafter.attach(target).eval()
 
 

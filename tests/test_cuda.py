@@ -10,7 +10,8 @@ Checks: greedy identity with target-only decoding on the device for every propos
 trees where the proposer drafts them), and the same tokens as the CPU; the sampled distribution of
 the first three tokens (chi-square against the exact target-only marginals, as in
 ``test_lossless.py``); log-probabilities equal to the CPU's within 1e-4; a constraint; the
-server's batched scheduler; exact mode in bf16 (fixed-width passes): rows of the default target's
+server's batched scheduler; the trained drafters' greedy drafts replayed as CUDA graphs (EAGLE's
+chain, Medusa's heads); exact mode in bf16 (fixed-width passes): rows of the default target's
 architecture equal one-token passes at widths 1..9, greedy identity with tiny models.
 """
 
@@ -30,7 +31,7 @@ from specdecode.models.torch.static_runner import StaticCacheSettings, use_stati
 from specdecode.proposers import DraftModelProposer
 
 from conftest import make_tiny_model, perturbed_copy
-from device_cases import CHAIN_KINDS, GREEDY, PROMPT, TREE_KINDS, make_generator, make_models, place, tokens
+from device_cases import CHAIN_KINDS, GREEDY, HEADS, PROMPT, TREE_KINDS, make_generator, make_models, place, tokens
 from reference import exact_marginals
 from stat_checks import P_MIN, chi_square_p
 
@@ -165,6 +166,32 @@ def test_graphs_greedy_equals_target_only(models, tiny_tokenizer, cpu_greedy, ki
         assert generator.target.graphs_failed is None, generator.target.graphs_failed
         assert tree is not None or generator.target.graphs  # chain widths were replayed (trees run eagerly)
         assert 1 in alone.target.graphs
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_graphed_drafters_greedy_equals_target_only(models, tiny_tokenizer, cpu_greedy, kind: str, k: int) -> None:
+    """The EAGLE chain and Medusa heads replayed as CUDA graphs beside the target's (drafters/graphs.py,
+    issue 49): greedy output equals target-only decoding and the CPU's, each step accepts what the eager
+    drafter's step accepts (float32: the drafts agree), and the drafter's graphs were really captured
+    (on the stand-in device, which has no CUDA, the capture fails and the drafter runs eagerly)."""
+    with on_device():
+        placed = place(models, DEVICE, GRAPHS)
+        alone = tokens(make_generator("none", placed, tiny_tokenizer), GREEDY)
+        generator = make_generator(kind, placed, tiny_tokenizer)
+        result = generator.generate(PROMPT, GREEDY, raw=True, num_speculative_tokens=k, schedule="ungated")
+        eager = make_generator(kind, on(models), tiny_tokenizer)  # an unmarked target: the eager drafter
+        reference = eager.generate(PROMPT, GREEDY, raw=True, num_speculative_tokens=k, schedule="ungated")
+    assert result.token_ids == alone == cpu_greedy and result.stats.draft_tokens > 0
+    assert result.stats.accepted_per_step == reference.stats.accepted_per_step
+    graphed = generator.proposer.graphed
+    assert graphed is not None and eager.proposer.graphed is None
+    if REQUESTED == "stand-in":
+        assert graphed.graphs_failed is not None
+        return
+    assert graphed.graphs_failed is None, graphed.graphs_failed
+    assert (("chain", k) if kind == "eagle" else min(k, HEADS)) in graphed.graphs
+    assert all((g.graph is not None) == (REQUESTED == "cuda") for g in graphed.graphs.values())  # real graphs
 
 
 @pytest.mark.parametrize("tree", [None, "default"], ids=["chain", "tree"])

@@ -16,7 +16,9 @@ it also writes ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.md``. Stages:
              specdecode (target alone, draft_model, prompt_lookup) on fixed token-id prompts
   heads      the shipped EAGLE head's and Medusa heads' configuration with random weights: ms of
              an EAGLE head forward + logits at widths 1-16 (400 in its cache) and of a Medusa
-             evaluation, and a cost-table fragment {"eagle": ..., "medusa": ...}
+             evaluation, and a cost-table fragment {"eagle": ..., "medusa": ...}; then their greedy
+             drafts replayed as CUDA graphs (specdecode.drafters.graphs): the EAGLE chain of k = 1, 2,
+             4 and Medusa's k = 1..4, each with its host copy (issue 49's aims: <= 0.6 ms, <= 0.15 ms)
   cli        the command line on random-weight Hugging Face folders (doctor, generate, bench)
   llamacpp   (--llamacpp) build the carried llama-cpp-python source with CUDA under a time limit
              (paused while the torch stage times), then time GGUFs of the default target's and
@@ -425,6 +427,7 @@ SHIPPED_DRAFTER_CONFIGS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TARGET_NAME = "Qwen2.5-Coder-1.5B-Instruct"
 HEAD_WIDTHS = (1, 2, 4, 8, 16)  # EAGLE forwards: 1 per chain step; a tree's depth has W nodes
+GRAPH_KS = (1, 2, 4)  # the graphed EAGLE chain's k (Medusa's: 1 .. its heads)
 EAGLE_PROMPT_WIDTH = 256  # and its first forward, over the prompt's pairs (causal only)
 DRY_EMBED_ROWS = 4096  # the dry run's token embeddings: this many rows of the target's (token ids below it)
 
@@ -459,10 +462,21 @@ class HeadPass:
         self.crop(n)
 
 
+class WrappedRows:
+    """An embedding of fewer rows than the vocabulary taking any token id (``id % rows``): a dry run's
+    cut embedding, for the graphed EAGLE chain, which embeds its own drafts (ids anywhere in the map)."""
+
+    def __init__(self, embed: Any) -> None:
+        self.embed = embed
+
+    def __call__(self, ids: Any) -> Any:
+        return self.embed(ids % self.embed.num_embeddings)
+
+
 def time_drafter_heads(configs: dict[str, dict[str, Any]], dev: Any, dtype: Any, depth: int, reps: int,
                        warmups: int, widths: tuple[int, ...] = HEAD_WIDTHS, embed_rows: int | None = None,
                        sync: Callable[[], None] = lambda: None, res: dict[str, Any] | None = None,
-                       save: Callable[[], None] = lambda: None) -> dict[str, Any]:
+                       save: Callable[[], None] = lambda: None, graphs: Any = None) -> dict[str, Any]:
     """Median ms of the trained drafters' evaluations with random weights of ``configs`` (DrafterConfig
     fields by kind) through the proposers' own code, written into ``res`` (returned) after each figure:
 
@@ -472,7 +486,12 @@ def time_drafter_heads(configs: dict[str, dict[str, Any]], dev: Any, dtype: Any,
     - ``eagle_tree_mask_ms`` {W: ms}: the same with a tree's 4D mask (built on the device from a bool
       ``[W, depth + W]``, as ``_head`` does for a tree's depth of W nodes), W > 1;
     - ``medusa_ms`` {"1": ms}: :meth:`MedusaProposer.head_logits` (every head at once, one feature);
-    - ``cost_table_fragment``: ``{"eagle": eagle_ms, "medusa": medusa_ms}`` (the cost tables' keys).
+    - ``cost_table_fragment``: ``{"eagle": eagle_ms, "medusa": medusa_ms}`` (the cost tables' keys);
+    - with ``graphs`` (a :class:`~specdecode.models.torch.static_runner.StaticCacheSettings`: CUDA graphs,
+      or ``stand_in=True`` on the CPU), the greedy drafts replayed as graphs (:func:`_time_graphs`):
+      ``eagle_graphs_chain_ms`` and ``eagle_graphs_step_ms`` {k: ms}, ``medusa_graphs_ms`` {k: ms},
+      ``graphs_captured`` and ``graphs_failed`` by kind. Not in the fragment: the cost tables price
+      head forwards by width, not a replayed chain.
 
     ``embed_rows``: rows of the random token embeddings (None: the whole vocabulary), token ids below it.
     """
@@ -498,6 +517,8 @@ def time_drafter_heads(configs: dict[str, dict[str, Any]], dev: Any, dtype: Any,
             if kind == "medusa":  # random weights, not the identity start (same cost, outputs that vary)
                 for block in drafter.blocks:
                     nn.init.normal_(block.weight, std=H**-0.5)
+            if rows < V:  # a cut embedding (a dry run): the graphed chain embeds its drafts, any id below V
+                embed = WrappedRows(embed)
             drafter.attach_parts(head_rows, embed, dtype)
             timing = dict(dev=dev, dtype=dtype, depth=depth, reps=reps, warmups=warmups, sync=sync,
                           token_limit=min(rows, 150000), res=res, save=save)
@@ -506,6 +527,8 @@ def time_drafter_heads(configs: dict[str, dict[str, Any]], dev: Any, dtype: Any,
                     _time_eagle(drafter, widths, **timing)
                 else:
                     _time_medusa(drafter, **timing)
+                if graphs is not None:
+                    _time_graphs(kind, drafter, graphs, **timing)
             del drafter, embed, head_rows
         except Exception as error:  # noqa: BLE001 - recorded, the other drafter goes on
             res["errors"][kind] = error_text(error)
@@ -572,13 +595,64 @@ def _time_medusa(drafter: Any, dev: Any, dtype: Any, depth: int, reps: int, warm
     save()
 
 
+def _time_graphs(kind: str, drafter: Any, settings: Any, dev: Any, dtype: Any, depth: int, reps: int, warmups: int,
+                 sync: Callable[[], None], token_limit: int, res: dict[str, Any], save: Callable[[], None]) -> None:
+    """:func:`time_drafter_heads`'s graphed figures (issue 49, item 1), through
+    :mod:`specdecode.drafters.graphs` as the proposers use it, each draft copied to the host as they do:
+
+    - EAGLE, ``depth`` true pairs in the head's static cache: ``eagle_graphs_chain_ms`` {k: ms}, the
+      replayed chain of k drafts (aim on an H100: <= 0.6 ms at k = 4); ``eagle_graphs_step_ms`` {k: ms},
+      a whole drafting step: the replayed feed of one new true pair (a step after a rejection), then the
+      chain; the cache cut back to ``depth`` after each;
+    - Medusa: ``medusa_graphs_ms`` {k: ms}, the replayed heads, logits and argmax of the first k
+      (aim: <= 0.15 ms);
+    - ``graphs_captured`` {kind: keys}, ``graphs_failed`` {kind: reason or None}: the warm-ups capture.
+    """
+    import torch
+
+    from specdecode.drafters.graphs import EagleHeadGraphs, MedusaGraphs
+
+    g = torch.Generator().manual_seed(7)
+    H = drafter.config.hidden_size
+    feature = torch.randn(H, generator=g).to(dev, dtype)  # (H,): a predicted feature
+    if kind == "eagle":
+        heads = EagleHeadGraphs(drafter, settings)
+        context = torch.randint(0, token_limit, (depth + 1,), generator=g)
+        heads.forward(torch.randn(depth, H, generator=g).to(dev, dtype), context[:depth], torch.arange(1, depth + 1))
+        new_pair = torch.randn(1, H, generator=g).to(dev, dtype)  # (1, H): the feature of one new position
+
+        def step(x: Any, k: int) -> Any:
+            return heads.chain(heads.sync(new_pair, x), k).to("cpu", copy=True)
+
+        for k in GRAPH_KS:
+            chain = HeadPass(lambda x, k=k: heads.chain(feature, k).to("cpu", copy=True), heads.crop)
+            res.setdefault("eagle_graphs_chain_ms", {})[str(k)] = pass_ms(chain, context[depth:], depth, reps,
+                                                                         warmups, sync)
+            whole = HeadPass(lambda x, k=k: step(x, k), heads.crop)
+            res.setdefault("eagle_graphs_step_ms", {})[str(k)] = pass_ms(whole, context[depth:], depth, reps,
+                                                                        warmups, sync)
+            save()
+    else:
+        heads = MedusaGraphs(drafter, settings)
+        for k in range(1, heads.num_heads + 1):
+            timer = HeadPass(lambda x, k=k: heads.draft(feature, k).to("cpu", copy=True))
+            res.setdefault("medusa_graphs_ms", {})[str(k)] = pass_ms(timer, feature[:1], depth, reps, warmups, sync)
+            save()
+    res.setdefault("graphs_captured", {})[kind] = sorted(str(key) for key in heads.graphs)
+    res.setdefault("graphs_failed", {})[kind] = heads.graphs_failed
+    save()
+
+
 def stage_heads(result_path: Path, dry: bool) -> None:
     """The shipped EAGLE head's and Medusa heads' configuration for the default target with random
     weights (bf16 on CUDA; float32 on the CPU in a dry run, the token embeddings cut to
     :data:`DRY_EMBED_ROWS` rows): :func:`time_drafter_heads` at 400 cached (40 in a dry run), median of
-    10 after 3 warm-ups, synchronized. Writes ``result_path`` after each figure, with a cost-table
+    10 after 3 warm-ups, synchronized; then the same drafters' greedy drafts replayed as CUDA graphs
+    (the CPU stand-in in a dry run). Writes ``result_path`` after each figure, with a cost-table
     fragment ``{"eagle": {W: ms}, "medusa": {"1": ms}}`` (src/specdecode/cost/table.py's keys)."""
     import torch
+
+    from specdecode.models.torch.static_runner import StaticCacheSettings
 
     cuda = torch.cuda.is_available() and not dry
     dev = torch.device("cuda" if cuda else "cpu")
@@ -588,6 +662,7 @@ def stage_heads(result_path: Path, dry: bool) -> None:
                            "cpu (no CUDA)", "dtype": str(dtype).split(".")[-1], "errors": {},
                            "settings": {"cache_entries": depth, "reps": reps, "warmups": warmups,
                                         "widths": list(HEAD_WIDTHS), "mode": "eager",
+                                        "graphs": "stand-in (dry run)" if dry else "CUDA graphs",
                                         "embed_rows": DRY_EMBED_ROWS if dry else "vocabulary"}}
     save = lambda: write_json(result_path, res)  # noqa: E731
     save()
@@ -607,7 +682,7 @@ def stage_heads(result_path: Path, dry: bool) -> None:
 
     t0 = time.perf_counter()
     time_drafter_heads(configs, dev, dtype, depth, reps, warmups, embed_rows=DRY_EMBED_ROWS if dry else None,
-                       sync=sync, res=res, save=save)
+                       sync=sync, res=res, save=save, graphs=StaticCacheSettings(stand_in=not cuda))
     res["timing_s"] = round(time.perf_counter() - t0, 1)
     save()
 
@@ -1405,7 +1480,10 @@ def summary_markdown(res: dict[str, Any]) -> str:
         ("EAGLE head + logits (chain step / sync: causal)", "eagle_ms"),
         ("EAGLE head + logits (a tree's depth: 4D mask)", "eagle_tree_mask_ms"),
         (f"Medusa, {heads.get('drafter_configs', {}).get('medusa', {}).get('num_heads', '?')} heads + logits",
-         "medusa_ms")) if heads.get(key)]
+         "medusa_ms"),
+        ("EAGLE graphs: chain of W drafts + host copy (aim: W=4 <= 0.6)", "eagle_graphs_chain_ms"),
+        ("EAGLE graphs: feed 1 pair + chain of W + host copy", "eagle_graphs_step_ms"),
+        ("Medusa graphs: W drafts + host copy (aim <= 0.15)", "medusa_graphs_ms")) if heads.get(key)]
     if head_rows:
         ws = sorted({int(w) for _, row in head_rows for w in row})
         hs = heads.get("settings", {})
@@ -1414,6 +1492,9 @@ def summary_markdown(res: dict[str, Any]) -> str:
                   f"{hs.get('cache_entries', '?')} entries in the EAGLE head's cache; W tokens):", "",
                   "| drafter | " + " | ".join(f"W={w}" for w in ws) + " |", "|---|" + "---:|" * len(ws)]
         lines += [f"| {label} | " + " | ".join(fmt(row.get(str(w)), 3) for w in ws) + " |" for label, row in head_rows]
+        failed = {kind: why for kind, why in heads.get("graphs_failed", {}).items() if why}
+        if failed:
+            lines.append(f"\nDrafter graphs not captured (timed eagerly instead): `{json.dumps(failed)}`")
     measured = stages.get("costtable", {}).get("table")
     if measured:
         lines.append(f"\nspecdecode cost-table --random-weights there ({measured['device']}): target "

@@ -53,10 +53,18 @@ def test_fallback_without_drafter_json(gpu_check, monkeypatch, tmp_path):
 def test_time_drafter_heads_tiny(gpu_check):
     import torch
 
+    from specdecode.models.torch.static_runner import StaticCacheSettings
+
     saves = []
-    res = gpu_check.time_drafter_heads(TINY, torch.device("cpu"), torch.float32, depth=12, reps=1, warmups=0,
-                                       widths=(1, 2, 4), embed_rows=100, save=lambda: saves.append(1))
+    res = gpu_check.time_drafter_heads(TINY, torch.device("cpu"), torch.float32, depth=12, reps=1, warmups=1,
+                                       widths=(1, 2, 4), embed_rows=100, save=lambda: saves.append(1),
+                                       graphs=StaticCacheSettings(stand_in=True))
     assert res["errors"] == {}
+    assert set(res["eagle_graphs_chain_ms"]) == set(res["eagle_graphs_step_ms"]) == {"1", "2", "4"}
+    assert set(res["medusa_graphs_ms"]) == {"1", "2", "3"}  # k = 1 .. the tiny drafter's 3 heads
+    assert res["graphs_failed"] == {"eagle": None, "medusa": None}
+    assert res["graphs_captured"] == {"eagle": ["('chain', 1)", "('chain', 2)", "('chain', 4)", "('sync', 1)"],
+                                      "medusa": ["1", "2", "3"]}
     assert set(res["eagle_ms"]) == {"1", "2", "4", str(gpu_check.EAGLE_PROMPT_WIDTH)}  # and a prompt's first forward
     assert set(res["eagle_tree_mask_ms"]) == {"2", "4"}
     assert set(res["medusa_ms"]) == {"1"}
@@ -86,11 +94,16 @@ def test_summary_shows_heads_and_fragments(gpu_check):
     heads = {"status": "ok", "dtype": "bfloat16", "settings": {"reps": 10, "mode": "eager", "cache_entries": 400},
              "drafter_configs": {"medusa": {"num_heads": 4}},
              "eagle_ms": {"1": 0.5, "2": 0.6}, "eagle_tree_mask_ms": {"2": 0.7}, "medusa_ms": {"1": 0.2},
+             "eagle_graphs_chain_ms": {"1": 0.1, "2": 0.2}, "medusa_graphs_ms": {"1": 0.05},
+             "graphs_failed": {"eagle": None, "medusa": "RuntimeError: no"},
              "cost_table_fragment": {"eagle": {"1": 0.5, "2": 0.6}, "medusa": {"1": 0.2}}}
     llama = {"status": "ok", "cost_table_fragment": {"target": {"1": 2.3}, "draft": {"1": 1.1}}}
     text = gpu_check.summary_markdown({"stages": {"heads": heads, "llamacpp": llama}})
     assert "| EAGLE head + logits (chain step / sync: causal) | 0.500 | 0.600 |" in text
     assert "| Medusa, 4 heads + logits | 0.200 | — |" in text
+    assert "| EAGLE graphs: chain of W drafts + host copy (aim: W=4 <= 0.6) | 0.100 | 0.200 |" in text
+    assert "| Medusa graphs: W drafts + host copy (aim <= 0.15) | 0.050 | — |" in text
+    assert 'not captured (timed eagerly instead): `{"medusa": "RuntimeError: no"}`' in text
     assert json.dumps(heads["cost_table_fragment"]) in text
     assert json.dumps(llama["cost_table_fragment"]) in text
     torch_stage = {"status": "ok", "cost_table_fragment": {"step_ms": 0.43}}  # merged with the heads' fragment

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,12 @@ class Drafter(nn.Module):
         return self._target.head_weight is not None or self._target.head_int8 is not None
 
     @property
+    def target_model(self) -> PreTrainedModel | None:
+        """The ``transformers`` target :meth:`attach` attached the drafter to, while it lives; None
+        otherwise (not attached, or attached to a GGUF target's parts, :meth:`attach_parts`)."""
+        return None if self._target.model is None else self._target.model()
+
+    @property
     def head_quantized(self) -> bool:
         """The copied LM-head rows are a dynamic int8 linear (:meth:`quantize_head`)."""
         return self._target.head_int8 is not None
@@ -252,6 +259,7 @@ class Drafter(nn.Module):
         self._target.head_int8 = None
         self._target.head_bias = None if head.bias is None else head.bias.detach()[ids].to(dtype).contiguous()
         self._target.embed = target.get_input_embeddings()
+        self._target.model = weakref.ref(target)
         return self._place(head.weight.device, dtype)
 
     def attach_parts(self, head_rows: torch.Tensor, embed: nn.Module, dtype: torch.dtype = torch.float32) -> Drafter:
@@ -274,6 +282,7 @@ class Drafter(nn.Module):
         self._target.head_int8 = None
         self._target.head_bias = None
         self._target.embed = embed
+        self._target.model = None
         return self._place(head_rows.device, dtype)
 
     def _place(self, device: torch.device, dtype: torch.dtype) -> Drafter:
@@ -368,7 +377,9 @@ class EagleHead(Drafter):
             features: ``[B, M, H]``, ``f_p`` (true or predicted) for M positions p.
             token_ids: int64 ``[B, M]``, the token at ``p + 1`` for each.
             position_ids: int64 ``[B, M]``, ``p + 1`` (the position of the token fed).
-            cache: the head's KV cache (extended in place), or None (no cache, causal over the M).
+            cache: the head's KV cache (extended in place), or None (no cache, causal over the M); or a
+                :class:`~specdecode.models.torch.static_cache.StaticKVCache` the caller prepared, with
+                a ready mask (:mod:`specdecode.drafters.graphs`).
             attention_mask: None (causal), or a ready 4D additive mask as ``{"full_attention": [B, 1, M, L]}``
                 for token trees.
 

@@ -11,6 +11,14 @@ output ``f^_{T-1}`` scores draft 1 (token ``T``); then ``(f^, drafted token)`` p
 drafts. Afterwards the cache is cut back to the ``T - 1`` true entries, so the entries made from
 predicted features never outlive a step and rollback costs nothing: a rejected draft's feature
 never arrives.
+
+On a GPU with CUDA graphs (a target marked by
+:func:`~specdecode.models.torch.static_runner.use_static_cache`, or its CPU stand-in:
+:func:`specdecode.drafters.graphs.graph_settings`) the head's cache is a static one, the feed of the
+new pairs replays one graph per width and a greedy chain of k drafts one graph per k, with one
+host copy per step (:class:`~specdecode.drafters.graphs.EagleHeadGraphs`). Sampled requests,
+``draft_confidence > 0`` and trees stay eager (over that cache). Elsewhere the head keeps a
+``DynamicCache`` and every forward is eager.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.drafters.graphs import EagleHeadGraphs, graph_settings
 from specdecode.drafters.heads import EagleHead
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
@@ -55,6 +64,9 @@ class EagleProposer(ProposerBase):
     sample the head's distribution after the request's temperature / top-k / top-p and return it
     as ``q`` over the full vocabulary (zero outside the map), so rejection sampling stays exact.
 
+    Greedy chains without ``draft_confidence`` replay CUDA graphs where the target is marked for
+    them (:attr:`graphed`, decided here once: see the module docstring).
+
     Args:
         drafter: a trained :class:`~specdecode.drafters.heads.EagleHead`, attached to the target.
         config: :class:`EagleConfig` (``drafter`` is not read here; :meth:`for_target` loads it).
@@ -77,6 +89,9 @@ class EagleProposer(ProposerBase):
             raise ValueError("EagleProposer needs an EagleHead attached to the target (load_drafter(path, target))")
         self.drafter = drafter.eval()
         self.config = config or EagleConfig()
+        settings = graph_settings(self.drafter)
+        # the head's static cache and captured passes, or None: a DynamicCache and eager forwards
+        self.graphed = None if settings is None else EagleHeadGraphs(self.drafter, settings)
         self.reset()
 
     @classmethod
@@ -105,7 +120,10 @@ class EagleProposer(ProposerBase):
         return self.drafter.fc.weight.device
 
     def reset(self) -> None:
-        self.cache = self.drafter.new_cache()
+        if self.graphed is None:
+            self.cache = self.drafter.new_cache()
+        else:
+            self.graphed.reset()  # its buffers and graphs stay
         self._cached = 0  # head cache entries, all from true features: pairs p = 0 .. _cached - 1
         self._features = FeatureLog()
         self.take_pass_widths()  # forget the head forwards of an unfinished request
@@ -117,8 +135,15 @@ class EagleProposer(ProposerBase):
     def observe(self, result: VerifyResult) -> None:
         """Nothing to do: the accepted positions' features came through :meth:`observe_features`."""
 
+    def _cache_length(self) -> int:
+        """Entries in the head cache."""
+        return self.cache.get_seq_length() if self.graphed is None else self.graphed.length
+
     def _crop(self, length: int) -> None:
         """Keep the first ``length`` entries of the head cache."""
+        if self.graphed is not None:
+            self.graphed.crop(length)
+            return
         extra = self.cache.get_seq_length() - length
         if extra > 0:
             self.cache.crop(-extra)  # crop(-n) removes n entries in every transformers version
@@ -134,6 +159,8 @@ class EagleProposer(ProposerBase):
         int64 ``[m]``, optional bool ``mask [m, cached + m]`` -> predicted features ``[m, H]``."""
         m = int(tokens.shape[0])
         self.record_pass(m)  # priced by a cost table's "eagle" curve (specdecode.cost.table)
+        if self.graphed is not None:  # over the static cache, at its next slots
+            return self.graphed.forward(features, tokens, positions, mask)  # (m, H)
         attention = None
         if mask is not None:  # moved as bool, the additive mask built on the device
             dtype, allowed = self.drafter.fc.weight.dtype, mask.to(self.device)
@@ -159,10 +186,14 @@ class EagleProposer(ProposerBase):
         start = min(self._cached, T - 2)
         self._crop(start)
         features = self._features.get(start, T - 1)  # (m, H): f_start .. f_{T-2}
-        out = self._head(features, context[start + 1 : T], torch.arange(start + 1, T))  # (m, H)
+        if self.graphed is not None:  # a captured pass per width (the first feed eagerly)
+            self.record_pass(T - 1 - start)
+            last = self.graphed.sync(features, context[start + 1 : T])  # (H,)
+        else:
+            last = self._head(features, context[start + 1 : T], torch.arange(start + 1, T))[-1]  # (H,)
         self._cached = T - 1
         self._features.drop_before(T - 2)  # a later call re-feeds at most the pair of T - 2
-        return out[-1]
+        return last
 
     @torch.inference_mode()
     def propose(
@@ -175,6 +206,10 @@ class EagleProposer(ProposerBase):
         """Draft up to ``num_tokens`` tokens (fewer when ``draft_confidence`` cuts the draft); see
         :meth:`~specdecode.proposers.base.Proposer.propose`. A context of one token drafts none.
 
+        With :attr:`graphed`, a greedy request without ``draft_confidence`` drafts through the captured
+        chain of ``num_tokens`` steps (:meth:`~specdecode.drafters.graphs.EagleHeadGraphs.chain`):
+        the same tokens, one host copy for the step; the rest runs the loop below.
+
         Raises:
             RuntimeError: the features of positions ``0 .. T - 2`` were not all received.
         """
@@ -182,9 +217,14 @@ class EagleProposer(ProposerBase):
         if T < 2:
             return DraftTokens.empty()
         feature = self._sync(context)  # (H,): f^_{T-1}
+        threshold = self.config.draft_confidence
+        if self.graphed is not None and sampling.greedy and threshold == 0 and num_tokens >= 1:
+            for _ in range(num_tokens - 1):
+                self.record_pass(1)  # the chain's head forwards, priced as the eager loop's
+            ids_k = self.graphed.chain(feature, num_tokens)  # (k,) on the device: the graph's buffer
+            return DraftTokens(ids_k.to("cpu", copy=True))  # one copy to the host for the whole draft
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
-        threshold = self.config.draft_confidence
         for i in range(num_tokens):
             logits = self.drafter.logits(feature)  # (N,)
             token, q, top = pick_token(
@@ -239,7 +279,7 @@ class EagleProposer(ProposerBase):
         slot: dict[int, int] = {}  # node -> its head cache entry
 
         def expand(nodes: list[int], ids: list[int], parents: list[int]) -> torch.Tensor:
-            base = self.cache.get_seq_length()
+            base = self._cache_length()
             attend = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)  # (m, base + m)
             attend[:, : T - 1] = True  # the true pairs
             positions = torch.empty(len(nodes), dtype=torch.int64)  # (m,)

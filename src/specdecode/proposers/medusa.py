@@ -10,6 +10,12 @@ Trees (Medusa's "tree attention", §2.1.2): the candidates of depth d are head d
 whatever their parent; a static shape takes head d's r-th best token for rank r, a dynamic tree
 (EAGLE-2 reranking, arXiv 2406.16858) ranks nodes by the sum of their heads' log-probabilities.
 Drafts are never deeper than K.
+
+On a GPU with CUDA graphs (a target marked by
+:func:`~specdecode.models.torch.static_runner.use_static_cache`, or its CPU stand-in:
+:func:`specdecode.drafters.graphs.graph_settings`) a greedy chain's heads, logits and argmax replay
+as one graph per k (:class:`~specdecode.drafters.graphs.MedusaGraphs`); sampled requests,
+``draft_confidence > 0`` and trees stay eager.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specdecode.drafters.graphs import MedusaGraphs, graph_settings
 from specdecode.drafters.heads import MedusaHeads
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
@@ -79,6 +86,8 @@ class MedusaProposer(ProposerBase):
         self.drafter = drafter.eval()
         self.config = config or MedusaConfig()
         self.num_heads = drafter.config.num_heads
+        settings = graph_settings(self.drafter)
+        self.graphed = None if settings is None else MedusaGraphs(self.drafter, settings)  # None: eager heads
         self.reset()
 
     @classmethod
@@ -137,13 +146,27 @@ class MedusaProposer(ProposerBase):
         generator: torch.Generator | None,
     ) -> DraftTokens:
         """Draft ``min(num_tokens, K)`` tokens (fewer when ``draft_confidence`` cuts the draft); see
-        :meth:`~specdecode.proposers.base.Proposer.propose`. A context of one token drafts none."""
+        :meth:`~specdecode.proposers.base.Proposer.propose`. A context of one token drafts none.
+
+        With :attr:`graphed`, a greedy request without ``draft_confidence`` replays the captured heads,
+        logits and argmax of ``min(num_tokens, K)`` (:meth:`~specdecode.drafters.graphs.MedusaGraphs.draft`):
+        the same tokens, one host copy.
+
+        Raises:
+            RuntimeError: the features of positions ``0 .. T - 2`` were not all received.
+        """
         if context.shape[0] < 2:
             return DraftTokens.empty()
+        threshold = self.config.draft_confidence
+        k = min(num_tokens, self.num_heads)
+        if self.graphed is not None and sampling.greedy and threshold == 0 and k >= 1:
+            check_features(self.name, self._known, int(context.shape[0]))
+            assert self._last is not None
+            self.record_pass(1)  # priced as head_logits' evaluation
+            return DraftTokens(self.graphed.draft(self._last, k).to("cpu", copy=True))  # (k,): one host copy
         logits = self.head_logits(context)  # (K, N)
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
-        threshold = self.config.draft_confidence
         for i in range(min(num_tokens, self.num_heads)):
             token, q, top = pick_token(
                 logits[i], self.drafter.head_ids, self.vocab_size, sampling, generator, threshold > 0

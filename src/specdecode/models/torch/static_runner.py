@@ -158,7 +158,7 @@ class StaticCacheRunner(ModelRunner):
         self.settings = settings or StaticCacheSettings()
         if self.settings.exact_width is not None:  # fixed-width passes: chains exact, no trees
             self.capabilities = replace(type(self).capabilities, batch_invariant=True, trees=False)
-        self.cache = StaticKVCache(_rounded(self.settings.capacity))  # type: ignore[assignment]
+        self.cache = StaticKVCache(rounded_capacity(self.settings.capacity))  # type: ignore[assignment]
         check_decoder_logits(self.model, "a static KV cache")  # the pass is decoder + head
         self.graphs: dict[int, CapturedPass] = {}
         self._cache_keyword = cache_keyword(self.model.get_decoder())  # looked up here, not in a traced pass
@@ -192,7 +192,7 @@ class StaticCacheRunner(ModelRunner):
         """Grow the cache to hold ``needed`` positions; drop the graphs if its buffers moved."""
         if needed > self.max_length:
             raise ValueError(f"the sequence would be {needed} tokens, longer than the model's {self.max_length}")
-        if self.cache.grow(_rounded(needed)):  # type: ignore[attr-defined]
+        if self.cache.grow(rounded_capacity(needed)):  # type: ignore[attr-defined]
             self.graphs.clear()
 
     def _pass(
@@ -358,6 +358,6 @@ class StaticCacheRunner(ModelRunner):
         return super()._masked_inputs(input_ids, position_ids, attend, cache)  # type: ignore[arg-type]
 
 
-def _rounded(positions: int) -> int:
-    """``positions`` rounded up to a multiple of :data:`CAPACITY_BLOCK`."""
+def rounded_capacity(positions: int) -> int:
+    """A static cache's capacity for ``positions``: ``positions`` rounded up to a multiple of :data:`CAPACITY_BLOCK`."""
     return max(1, -(-positions // CAPACITY_BLOCK)) * CAPACITY_BLOCK
