@@ -42,8 +42,8 @@ hands its ``passes`` on to it. The loop never asks a proposer what it did: the s
 (the request's statistics) hear it as it happens (:mod:`specdecode.pass_observers`).
 
 Three more attributes have defaults in :class:`ProposerBase` without being part of the protocol:
-``passes`` (above), ``vocab_size`` (the vocabulary its drafted ids come from, checked against the target's; None: any,
-it drafts ids from the context) and ``drafter`` (the trained torch module a features proposer
+``passes`` (above), ``vocab_size`` (the vocabulary its drafted ids come from, checked against the
+target's; None: any, it drafts ids from the context) and ``drafter`` (the trained torch module a features proposer
 drafts with, whose width the server's cost probe reads; None otherwise).
 
 A proposer of one's own subclasses :class:`ProposerBase` (or declares every attribute of
