@@ -201,14 +201,22 @@ class Recorder(ProposerBase):
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.drafts = inner, []
-        for name in ("name", "supports_tree", "needs_target_features", "vocab_size", "pass_kind"):
+        for name in ("name", "supports_tree", "needs_target_features", "vocab_size"):
             setattr(self, name, getattr(inner, name))
 
     def reset(self) -> None:
         self.inner.reset()
 
-    def take_pass_widths(self) -> list[int]:
-        return self.inner.take_pass_widths()
+    def describe(self) -> Any:
+        return self.inner.describe()
+
+    @property
+    def passes(self) -> Any:  # the inner proposer's forwards are the ones the loop hears of
+        return self.inner.passes
+
+    @passes.setter
+    def passes(self, sink: Any) -> None:
+        self.inner.passes = sink
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         self.inner.observe_features(hidden)

@@ -9,11 +9,13 @@ calls per target pass::
 
     draft  = state.propose(k)                          # 1. (k <= state.room())
     logits = runner.forward(state.step_input(draft))   # 2. its own runner / batch row
+    state.target_pass(TargetPass((k + 1,), seconds))   # 2. reported to the state's observers
     result = verify(draft.ids, draft.probs, logits, state.sampling, state.generator)   # 3.
     runner.truncate(state.T + result.num_accepted)     # 4. roll back (the runner's business)
     state.after_verify(len(draft), result, features)   # 4. proposer feedback; 5. stats
     new_ids, new_text = state.append(result.tokens)    # 5. emit; state.finish_reason: stop?
 
+(steps 2-4 are :mod:`specdecode.loop_steps`' functions, which both loops call),
 so "the server decodes exactly as ``generate`` does" holds by construction: same invariant (the
 runner caches every context token but the last), same verifier, same use of randomness, same stop
 rules.
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdecode.logprobs import TokenLogprob, check_num_logprobs, token_logprobs
+from specdecode.pass_observers import DraftPasses, PassObserver, StatsObserver, TargetPass, describe
 from specdecode.proposers.base import DraftTokens, Proposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
@@ -79,6 +82,11 @@ class DecodeState:
         finish_reason: None while running, then ``"stop"`` (EOS or stop string) or ``"length"``.
         logprobs: with ``num_logprobs``, one :class:`~specdecode.logprobs.TokenLogprob` per token
             of :attr:`generated`; else None.
+        info: the proposer's :class:`~specdecode.pass_observers.ProposerInfo` (its ``describe()``,
+            read once here).
+        observers: who hears of this sequence's passes (:mod:`specdecode.pass_observers`): a
+            :class:`~specdecode.pass_observers.StatsObserver` of :attr:`stats` first; the proposer's
+            ``passes`` sink reports its own model's forwards to them.
 
     Raises:
         ValueError: an empty prompt, stop strings without a tokenizer, or a bad ``num_logprobs``.
@@ -119,8 +127,10 @@ class DecodeState:
         self.generator = torch.Generator().manual_seed(self.seed)  # CPU, whatever the device (§2b)
         self.device = torch.device(device)
         self.stats = stats if stats is not None else SpecStats(prompt_tokens=P)
-        if proposer is not None:
-            self.stats.draft_pass_kind = proposer.pass_kind  # what prices draft_pass_widths
+        self.info = describe(proposer)
+        self.observers: list[PassObserver] = [StatsObserver(self.stats, self.info)]
+        if proposer is not None:  # this request's sink for the forwards of the proposer's own model
+            proposer.passes = DraftPasses(self.info.pass_kind, self.observers)  # type: ignore[attr-defined]
         self.text = StopStringStream(tokenizer, sampling.stop) if tokenizer is not None else None
         self.generated: list[int] = []
         self.finish_reason: str | None = None
@@ -173,17 +183,22 @@ class DecodeState:
         last = self.context[self.T - 1 : self.T]
         return torch.cat([last, draft_ids.cpu()]) if draft_ids.shape[0] else last
 
+    def target_pass(self, p: TargetPass) -> None:
+        """Report one target pass of this sequence (its own row: ``p.widths`` has one) to :attr:`observers`."""
+        for observer in self.observers:
+            observer.target_pass(p)
+
     def after_prefill(self, features: torch.Tensor | None = None) -> None:
-        """Account the prefill pass; give a feature-reading proposer the prompt's features ``[P, H]``."""
-        self.stats.target_forward_passes += 1
-        self.stats.target_pass_widths.append(self.prompt_len)
+        """Give a feature-reading proposer the prompt's features ``[P, H]`` (the pass itself is
+        reported through :meth:`target_pass`)."""
         if features is not None and self.proposer is not None:
             self.proposer.observe_features(features)  # type: ignore[attr-defined]
 
     def after_verify(
         self, num_drafted: int, result: VerifyResult, features: torch.Tensor | None = None, depth: int | None = None
     ) -> None:
-        """Account one verified target pass (the runner rolled back to ``T + num_accepted`` already).
+        """Account one verified target pass (the runner rolled back to ``T + num_accepted`` already;
+        the pass itself is reported through :meth:`target_pass`).
 
         Args:
             num_drafted: tokens drafted (a tree: its node count).
@@ -192,11 +207,8 @@ class DecodeState:
                 drafts), ``[num_accepted + 1, H]``, for a proposer that reads them; else None.
             depth: a tree's depth (None for a chain).
         """
-        self.stats.target_forward_passes += 1
-        self.stats.target_pass_widths.append(num_drafted + 1)
         self.stats.accepted_per_step.append(result.num_accepted)
         if self.proposer is not None:
-            self.stats.draft_pass_widths.extend(self.proposer.take_pass_widths())  # its own model's forwards
             if features is not None:
                 self.proposer.observe_features(features)  # type: ignore[attr-defined]
             self.proposer.observe(result)

@@ -30,15 +30,18 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode import loop_steps
 from specdecode.constraints.spec import Constraint
 from specdecode.constraints.state import ConstraintState
 from specdecode.decode_state import DecodeState
 from specdecode.draft_gate import PassCosts
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens  # noqa: F401 (engine's names)
 from specdecode.logprobs import TokenLogprob, check_num_logprobs
+from specdecode.loop_steps import RowsForward
 from specdecode.models.backends import backend_of, make_runner
 from specdecode.models.torch.placement import device_clock
-from specdecode.proposers.base import DraftTokens, Proposer, check_proposer, default_num_speculative_tokens
+from specdecode.pass_observers import NO_DRAFT_PASSES, TargetPass
+from specdecode.proposers.base import Proposer, check_proposer, default_num_speculative_tokens
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.prediction import encode_prediction, prediction_record, with_prediction
 from specdecode.proposers.vocabulary import check_shared_vocabulary
@@ -47,14 +50,6 @@ from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.tree import TreeSpec, parse_tree, tree_attention
 from specdecode.verify import VerifyResult, verify_tree
-
-
-def draft_quantization(proposer: Proposer | None) -> str:
-    """The proposer's declared ``quantization`` (:mod:`specdecode.proposers.base`): ``"int8"`` for an
-    int8 draft (:attr:`DraftModelProposer.quantization`; a prompt-lookup hybrid says its model
-    proposer's), ``"int8-head"`` for a Medusa / EAGLE drafter with int8 LM-head rows, else
-    ``"none"`` (also without a proposer)."""
-    return "none" if proposer is None else str(proposer.quantization)
 
 
 @dataclass
@@ -335,26 +330,37 @@ class SpeculativeGenerator:
         return torch.tensor(ids, dtype=torch.int64)
 
     # ------------------------------------------------------------------ the loop
+    def _rows_forward(self, features: bool) -> RowsForward:
+        """The target's runner as :func:`~specdecode.loop_steps.prefill` and
+        :func:`~specdecode.loop_steps.score` take it: a batch of one row (features when ``features``)."""
+        target = self.target
+
+        def forward(
+            inputs: list[torch.Tensor], num_logits: list[int], hints: list[torch.Tensor | None] | None
+        ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+            if hints is None:  # the prefill
+                out = target.forward(inputs[0], num_logits=num_logits[0], return_hidden=features)
+            else:
+                out = target.forward(inputs[0], num_logits[0], return_hidden=features, greedy_draft=hints[0])
+            logits, hidden = _pass(out)
+            return [logits], [hidden]
+
+        return forward
+
     def _decode(
         self, state: DecodeState, schedule: SpeculationSchedule, tree: TreeSpec | None = None
     ) -> Iterator[tuple[list[int], str]]:
         """Run ``state`` to its end; yield each target pass's ``(new token ids, new text)``."""
-        target, proposer, stats, sampling = self.target, state.proposer, state.stats, state.sampling
+        target, proposer, stats = self.target, state.proposer, state.stats
         target.reset()
         if proposer is not None:
             proposer.reset()
-        features = needs_features(proposer)
+        forward = self._rows_forward(needs_features(proposer))
         clock = device_clock(target.device)  # synchronized off the CPU: each side is charged its own work
 
-        tic = clock()
-        logits, hidden = _pass(
-            target.forward(state.prompt_ids, num_logits=1, return_hidden=features)
-        )  # (1, V): prefill
-        stats.prefill_time_s += clock() - tic
-        state.after_prefill(hidden)  # (T, H): every prompt position
+        (result,), (logits,) = loop_steps.prefill([state], forward, clock)  # (1, V); the first token
         chain = proposer is not None and tree is None  # the widths of the passes to come: 1 + drafted,
         target.prepare_widths(range(1, schedule.k + 2) if chain else (1,))  # up to the starting k; CUDA graphs
-        result = state.verify(DraftTokens.empty(), logits)  # under a constraint: the masked distribution
         yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked
         while state.finish_reason is None:
             # context[:T] is known; the target has cached context[:T - 1].
@@ -367,20 +373,13 @@ class SpeculativeGenerator:
             tic = clock()
             draft = schedule.trim(state.propose(k_step))  # 1. (the draft gate may shorten a copied draft)
             toc = clock()
-            # a split pass may stop at a mismatch with the raw argmax (not the constrained one: no hint then)
-            hint = draft.ids if sampling.greedy and len(draft) and state.constraint is None else None
-            logits, hidden = _pass(
-                target.forward(state.step_input(draft.ids), len(draft) + 1, return_hidden=features, greedy_draft=hint)
-            )  # 2. (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
-            tac = clock()
             stats.draft_time_s += toc - tic
-            stats.target_time_s += tac - toc
-            result = state.verify(draft, logits)  # 3. over the drafts scored (greedy: the rejection is among them)
+            (logits,), (hidden,), seconds = loop_steps.score([state], [draft], forward, clock)  # 2. one pass
+            # (k+1, V), features (k+1, H) | None; fewer rows only if greedy and a draft token was wrong
+            result = loop_steps.verify_truncate(state, draft, logits, hidden, target.truncate)  # 3.-4.
             n = result.num_accepted
-            target.truncate(state.T + n)  # 4. keep context + accepted drafts
-            state.after_verify(len(draft), result, hidden[: n + 1] if hidden is not None else None)  # 4.-5.
             step_s = clock() - tic
-            self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), tac - toc, step_s)  # what passes cost here
+            self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), seconds, step_s)  # what passes cost here
             if proposer is not None:
                 schedule.update(len(draft), n, step_s, draft_time_s=toc - tic)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
@@ -422,7 +421,7 @@ class SpeculativeGenerator:
             target.forward_masked(ids, cached + depths, attend, return_hidden=features, greedy=greedy)
         )  # 2.
         stats.draft_time_s += toc - tic
-        stats.target_time_s += clock() - toc
+        state.target_pass(TargetPass((len(draft) + 1,), clock() - toc))
         if state.constraint is not None:  # 3. the target's distribution masked per node
             result = state.constraint.verify_tree(draft, logits, state.sampling, state.generator)
         else:
@@ -504,7 +503,6 @@ class SpeculativeGenerator:
             schedule=plan.kind if proposer else "none",
             tree=spec_tree.name if spec_tree else "none",
             dtype=self.dtype,
-            draft_quantization=draft_quantization(proposer),
             prompt_tokens=int(prompt_ids.shape[0]),
             prediction=prediction_record(proposer, prediction),
         )
@@ -534,6 +532,8 @@ class SpeculativeGenerator:
                 yield new_ids, new_text, result
         finally:
             steps.close()
+            if proposer is not None:  # its forwards after this request (a cost probe, ...) are no one's
+                proposer.passes = NO_DRAFT_PASSES  # type: ignore[attr-defined]
 
     def generate(
         self,

@@ -58,7 +58,7 @@ class SpecStats:
             do not record them); not in :meth:`to_dict`.
         draft_pass_kind: which cost-table curve prices ``draft_pass_widths``: ``"draft"`` (a draft
             model's forwards), ``"eagle"`` / ``"medusa"`` (a trained drafter's head forwards); the
-            proposer's ``pass_kind``. Not in :meth:`to_dict`.
+            ``pass_kind`` of the proposer's ``describe()``. Not in :meth:`to_dict`.
         accepted_per_step: draft tokens accepted at each verification step, in order; not in
             :meth:`to_dict`.
         gated_draft_tokens: drafted tokens the draft gate kept from the target (copied drafts it

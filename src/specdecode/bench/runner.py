@@ -72,7 +72,7 @@ def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, l
     """A record's ``passes`` (what :mod:`specdecode.cost.table` prices): ``target``, the tokens
     of each target forward pass (the prefill's first); ``draft``, of each draft-model forward; and
     ``accepted``, the draft tokens accepted per verification step; ``draft_kind``, the cost-table
-    curve that prices ``draft`` (the proposer's ``pass_kind``: draft, eagle, medusa). Our engine's come from its
+    curve that prices ``draft`` (its proposer's ``describe().pass_kind``: draft, eagle, medusa). Ours come from its
     statistics; the plain llama.cpp peer's are the prompt, then 1 per further token; None for the
     other peers (their passes are not known)."""
     stats = out.stats

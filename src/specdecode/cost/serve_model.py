@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from specdecode.pass_observers import PassObserver, TargetPass
 from specdecode.schedule import acceptance_trials, expected_tokens  # E(alpha, k): Leviathan et al. 2023, eq. 1
 
 PRIOR_WEIGHT = 4.0  # trials (positions tried) of prior evidence behind alpha_p
@@ -85,8 +86,9 @@ TARGET_COST_EMA = 0.9  # weight of the old speed factor of a batch size's row pe
 
 
 @dataclass
-class CostModel:
-    """Measured costs (see the module docstring).
+class CostModel(PassObserver):
+    """Measured costs (see the module docstring); an observer of the server's target passes
+    (:meth:`target_pass`: every decode pass refines ``t_target``).
 
     Attributes:
         batch_sizes: grid of B, increasing.
@@ -139,6 +141,12 @@ class CostModel:
         new = max(0.0, seconds - drafted * self.draft_time(proposer)) / behind
         old = self.catchup_s_per_token.get(proposer)
         self.catchup_s_per_token[proposer] = new if old is None else DRAFT_COST_EMA * old + (1 - DRAFT_COST_EMA) * new
+
+    def target_pass(self, p: TargetPass) -> None:
+        """A batched pass the scheduler made: a decode pass refines ``t_target`` (:meth:`observe_target`
+        with its rows and its widest row's tokens); a prefill does not."""
+        if not p.prefill:
+            self.observe_target(p.rows, p.width, p.seconds)
 
     def observe_target(self, batch: int, tokens: int, seconds: float) -> None:
         """Refine the level of ``t_target(batch, .)`` with one pass measured while serving.

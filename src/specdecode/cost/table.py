@@ -25,8 +25,8 @@ between two measured ones costs the linear interpolation; below the smallest, th
 beyond the largest, the line through the last two measured widths (the largest's cost when only one
 is given).
 
-Draft passes are priced by the curve named by the record's ``draft_kind`` (the proposer's
-``pass_kind``; records saved before it existed are ``"draft"``): ``draft``, a draft model's forward
+Draft passes are priced by the curve named by the record's ``draft_kind`` (the proposer's ``describe()``
+``.pass_kind``; records saved before it existed are ``"draft"``): ``draft``, a draft model's forward
 over W tokens; ``eagle``, one EAGLE head forward over W tokens through its cache followed by the
 drafter's logits of those W rows (a chain of k drafts makes k forwards of width 1 after one of the
 newly accepted tokens, a tree one per depth, W its nodes there); ``medusa``, one evaluation of every
@@ -62,7 +62,7 @@ from typing import Any
 from specdecode.bench.metrics import ALL, BASELINE, Record, speedups
 
 DRAFT_KINDS = ("draft", "eagle", "medusa")
-"""The draft-pass curves a table may give (a proposer's ``pass_kind``)."""
+"""The draft-pass curves a table may give (``ProposerInfo.pass_kind``: a proposer's ``describe()``)."""
 
 PACKAGED = Path(__file__).resolve().parent.parent / "data" / "cost_tables"
 """The cost tables shipped with the package (``--cost-table NAME`` finds ``NAME.json`` here)."""

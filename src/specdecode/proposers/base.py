@@ -27,18 +27,23 @@ attributes, never probe for them:
   (and so the CLI, the API and ``specdecode bench``) uses when the caller gives none. It is a
   measured choice (the proposer's docstring says where), not a limit: any k in that range still works.
 
-- ``quantization`` (default ``"none"``): what its drafts run on, for records (the
-  ``draft_quantization`` statistic): ``"int8"`` (an int8 draft), ``"int8-head"`` (a drafter's int8
-  LM-head rows), ``"none"``.
-- ``pass_kind`` (default ``"draft"``): which pass-cost curve prices the widths ``take_pass_widths``
-  returns (:mod:`specdecode.cost.table`): ``"draft"`` for a draft model's forwards,
-  ``"eagle"`` for an EAGLE head's, ``"medusa"`` for Medusa heads'.
+- ``describe()`` (default :data:`~specdecode.pass_observers.NO_PROPOSER`): what records say about
+  it, a :class:`~specdecode.pass_observers.ProposerInfo` read once per request: ``quantization``
+  (the ``draft_quantization`` statistic: ``"int8"`` an int8 draft, ``"int8-head"`` a drafter's int8
+  LM-head rows, ``"none"``) and ``pass_kind`` (the cost-table curve that prices its model's
+  forwards, :mod:`specdecode.cost.table`: ``"draft"``, ``"eagle"``, ``"medusa"``).
 - ``clear_cache()`` (default: nothing): forget state kept *across* requests (the suffix proposer's
   cache of earlier outputs); ``reset`` forgets one request's.
 
-Two more attributes have defaults in :class:`ProposerBase` without being part of the protocol:
-``vocab_size`` (the vocabulary its drafted ids come from, checked against the target's; None: any,
-it drafts ids from the context) and ``drafter`` (the trained torch module a features proposer
+A proposer with a model of its own reports each forward of it (tokens fed) to ``self.passes``, a
+sink the loop sets per request (:class:`~specdecode.pass_observers.DraftPasses`: ``passes(width)``;
+:data:`~specdecode.pass_observers.NO_DRAFT_PASSES` outside a request); a proposer that wraps another
+hands its ``passes`` on to it. The loop never asks a proposer what it did: the sink's observers
+(the request's statistics) hear it as it happens (:mod:`specdecode.pass_observers`).
+
+Three more attributes have defaults in :class:`ProposerBase` without being part of the protocol:
+``passes`` (above), ``vocab_size`` (the vocabulary its drafted ids come from, checked against the
+target's; None: any, it drafts ids from the context) and ``drafter`` (the trained torch module a features proposer
 drafts with, whose width the server's cost probe reads; None otherwise).
 
 A proposer of one's own subclasses :class:`ProposerBase` (or declares every attribute of
@@ -53,6 +58,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specdecode.limits import check_num_speculative_tokens
+from specdecode.pass_observers import NO_DRAFT_PASSES, NO_PROPOSER, DraftPasses, ProposerInfo
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
 
@@ -121,8 +127,6 @@ class Proposer(Protocol):
     supports_tree: bool
     needs_target_features: bool
     default_num_speculative_tokens: int
-    quantization: str
-    pass_kind: str
 
     def reset(self) -> None:
         """Forget everything about the previous request (no state leaks between calls)."""
@@ -130,11 +134,8 @@ class Proposer(Protocol):
     def clear_cache(self) -> None:
         """Forget state kept across requests (a no-op for most proposers)."""
 
-    def take_pass_widths(self) -> list[int]:
-        """Tokens per forward of the proposer's own model since the last call (then forgotten): a
-        draft model's passes, a trained drafter's head forwards (priced by the cost table's curve
-        named :attr:`pass_kind`); [] for proposers without a model
-        (:attr:`specdecode.stats.SpecStats.draft_pass_widths`)."""
+    def describe(self) -> ProposerInfo:
+        """What records say about it (quantization, the curve pricing its model's forwards), read once per request."""
 
     def propose(
         self,
@@ -170,8 +171,7 @@ class ProposerBase:
     supports_tree: bool = False
     needs_target_features: bool = False
     default_num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    quantization: str = "none"
-    pass_kind: str = "draft"  # what prices take_pass_widths(): "draft" (a draft model), "eagle", "medusa"
+    passes: DraftPasses = NO_DRAFT_PASSES  # the loop sets this request's sink: self.passes(width) per forward
     vocab_size: int | None = None  # None: drafts ids of any vocabulary (taken from the context)
     drafter: torch.nn.Module | None = None  # a features proposer's trained drafter
 
@@ -181,15 +181,9 @@ class ProposerBase:
     def clear_cache(self) -> None:
         """Nothing kept across requests."""
 
-    def record_pass(self, width: int) -> None:
-        """Note one forward of the proposer's own model (a draft model, a trained drafter's head)
-        over ``width`` tokens, for :meth:`take_pass_widths`."""
-        self.__dict__.setdefault("_pass_widths", []).append(width)
-
-    def take_pass_widths(self) -> list[int]:
-        """The widths :meth:`record_pass` noted since the last call (then forgotten); [] for a
-        proposer without a model of its own."""
-        return self.__dict__.pop("_pass_widths", [])
+    def describe(self) -> ProposerInfo:
+        """No quantization; forwards (if any) priced as a draft model's."""
+        return NO_PROPOSER
 
     def observe(self, result: VerifyResult) -> None:
         """No feedback needed."""
@@ -210,9 +204,8 @@ def check_proposer(proposer: object) -> None:
         TypeError: a member is missing (the message names them), or ``supports_tree`` is set
             without a ``propose_tree`` method.
     """
-    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens", "quantization",
-               "pass_kind")
-    methods = ("reset", "clear_cache", "take_pass_widths", "propose", "observe", "observe_features")
+    members = ("name", "supports_tree", "needs_target_features", "default_num_speculative_tokens")
+    methods = ("reset", "clear_cache", "describe", "propose", "observe", "observe_features")
     missing = [m for m in (*members, *methods) if not hasattr(proposer, m)]
     if missing:
         raise TypeError(

@@ -19,6 +19,7 @@ from specdecode.models.torch.quant import (
 )
 from specdecode.models.torch.runner import share_plain_check
 from specdecode.models.torch.static_runner import torch_runner
+from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.hybrid import (
     check_prompt_lookup,
@@ -214,7 +215,10 @@ class DraftModelProposer(ProposerBase):
     def reset(self) -> None:
         self.runner.reset()
         self._cached = torch.empty(0, dtype=torch.int64)
-        self.take_pass_widths()  # forget the forwards of an unfinished request
+
+    def describe(self) -> ProposerInfo:
+        """Its :attr:`quantization`; its forwards priced on the cost table's ``"draft"`` curve."""
+        return ProposerInfo(self.quantization, "draft")
 
     def _sync(self, context: torch.Tensor) -> torch.Tensor:
         """Roll the cache back to the prefix it shares with ``context``; return the logits of the
@@ -223,7 +227,7 @@ class DraftModelProposer(ProposerBase):
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n
         self.runner.truncate(keep)
-        self.record_pass(context.shape[0] - keep)
+        self.passes(context.shape[0] - keep)
         return self.runner.forward(context[keep:], num_logits=1)[-1]
 
     def propose(
@@ -252,7 +256,7 @@ class DraftModelProposer(ProposerBase):
             token = j if head_ids is None else head_ids[j]  # (1,) full-vocabulary id
             ids.append(token)
             if i + 1 < num_tokens:
-                self.record_pass(1)
+                self.passes(1)
                 logits = self.runner.forward(token, num_logits=1)[-1]
         draft_ids = torch.cat(ids).cpu()  # (k,): the ids stayed on the draft's device until here (one copy)
         if len(ids) < num_tokens:  # cut by the confidence threshold: the last fed token is the last drafted
@@ -312,7 +316,7 @@ class DraftModelProposer(ProposerBase):
                 positions[row] = T - 1 + depth
                 slot[node] = base + row
             tokens = torch.tensor([ids[n - 1] for n in nodes], dtype=torch.int64)
-            self.record_pass(len(tokens))
+            self.passes(len(tokens))
             return log_probs(self.runner.forward_masked(tokens, positions, attend))  # (m, C)
 
         if isinstance(tree, DynamicTree):

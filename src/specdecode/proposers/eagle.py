@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.graphs import EagleHeadGraphs, graph_settings
 from specdecode.drafters.heads import EagleHead
+from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
     FeatureLog,
@@ -76,7 +77,6 @@ class EagleProposer(ProposerBase):
     """
 
     name = "eagle"
-    pass_kind = "eagle"
     supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
@@ -115,6 +115,10 @@ class EagleProposer(ProposerBase):
         (``head_quantization``), else ``"none"``; recorded as the ``draft_quantization`` statistic."""
         return "int8-head" if self.drafter.head_quantized else "none"
 
+    def describe(self) -> ProposerInfo:
+        """Its :attr:`quantization`; its head forwards priced on the cost table's ``"eagle"`` curve."""
+        return ProposerInfo(self.quantization, "eagle")
+
     @property
     def device(self) -> torch.device:
         return self.drafter.fc.weight.device
@@ -126,7 +130,6 @@ class EagleProposer(ProposerBase):
             self.graphed.reset()  # its buffers and graphs stay
         self._cached = 0  # head cache entries, all from true features: pairs p = 0 .. _cached - 1
         self._features = FeatureLog()
-        self.take_pass_widths()  # forget the head forwards of an unfinished request
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         """The target's features of the next ``m`` positions, ``[m, H]`` (see :mod:`.base`)."""
@@ -158,7 +161,7 @@ class EagleProposer(ProposerBase):
         """One head forward through the cache: features ``[m, H]``, token ids int64 ``[m]``, positions
         int64 ``[m]``, optional bool ``mask [m, cached + m]`` -> predicted features ``[m, H]``."""
         m = int(tokens.shape[0])
-        self.record_pass(m)  # priced by a cost table's "eagle" curve (specdecode.cost.table)
+        self.passes(m)  # priced by a cost table's "eagle" curve (specdecode.cost.table)
         if self.graphed is not None:  # over the static cache, at its next slots
             return self.graphed.forward(features, tokens, positions, mask)  # (m, H)
         attention = None
@@ -187,7 +190,7 @@ class EagleProposer(ProposerBase):
         self._crop(start)
         features = self._features.get(start, T - 1)  # (m, H): f_start .. f_{T-2}
         if self.graphed is not None:  # a captured pass per width (the first feed eagerly)
-            self.record_pass(T - 1 - start)
+            self.passes(T - 1 - start)
             last = self.graphed.sync(features, context[start + 1 : T])  # (H,)
         else:
             last = self._head(features, context[start + 1 : T], torch.arange(start + 1, T))[-1]  # (H,)
@@ -220,7 +223,7 @@ class EagleProposer(ProposerBase):
         threshold = self.config.draft_confidence
         if self.graphed is not None and sampling.greedy and threshold == 0 and num_tokens >= 1:
             for _ in range(num_tokens - 1):
-                self.record_pass(1)  # the chain's head forwards, priced as the eager loop's
+                self.passes(1)  # the chain's head forwards, priced as the eager loop's
             ids_k = self.graphed.chain(feature, num_tokens)  # (k,) on the device: the graph's buffer
             return DraftTokens(ids_k.to("cpu", copy=True))  # one copy to the host for the whole draft
         ids: list[torch.Tensor] = []

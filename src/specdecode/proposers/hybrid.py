@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from specdecode.limits import check_num_speculative_tokens
+from specdecode.pass_observers import DraftPasses, ProposerInfo
 from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, find_continuations, find_match
 from specdecode.sampling import SamplingParams
@@ -99,7 +100,7 @@ class LookupFirstProposer(ProposerBase):
 
     Args:
         model: the model proposer (a :class:`~specdecode.proposers.base.ProposerBase`: its
-            ``vocab_size``, ``drafter`` and ``quantization`` are this proposer's).
+            ``vocab_size``, ``drafter``, ``describe()`` and ``passes`` are this proposer's).
         min_ngram: the shortest suffix of the context whose earlier occurrence is trusted (>= 1).
         max_ngram: the longest one, looked up first (>= min_ngram).
 
@@ -150,19 +151,18 @@ class LookupFirstProposer(ProposerBase):
         """The model proposer's trained drafter, if any (the server's cost probe feeds it features)."""
         return self.model.drafter
 
-    @property
-    def quantization(self) -> str:  # type: ignore[override]
-        """The model proposer's (recorded as the ``draft_quantization`` statistic)."""
-        return self.model.quantization
-
-    @property
-    def pass_kind(self) -> str:  # type: ignore[override]
+    def describe(self) -> ProposerInfo:
         """The model proposer's (prompt lookup makes no forwards)."""
-        return self.model.pass_kind
+        return self.model.describe()
 
-    def take_pass_widths(self) -> list[int]:
-        """The model proposer's draft forwards (tokens each) since the last call."""
-        return self.model.take_pass_widths()
+    @property
+    def passes(self) -> DraftPasses:  # type: ignore[override]
+        """The model proposer's sink (its forwards are the only ones): setting it sets the model's."""
+        return self.model.passes
+
+    @passes.setter
+    def passes(self, sink: DraftPasses) -> None:
+        self.model.passes = sink
 
     def clear_cache(self) -> None:
         self.model.clear_cache()

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from specdecode.drafters.graphs import MedusaGraphs, graph_settings
 from specdecode.drafters.heads import MedusaHeads
+from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
     TrainedDrafterConfig,
@@ -72,7 +73,6 @@ class MedusaProposer(ProposerBase):
     """
 
     name = "medusa"
-    pass_kind = "medusa"
     supports_tree = True
     needs_target_features = True
     default_num_speculative_tokens = 2
@@ -111,10 +111,13 @@ class MedusaProposer(ProposerBase):
         (``head_quantization``), else ``"none"``; recorded as the ``draft_quantization`` statistic."""
         return "int8-head" if self.drafter.head_quantized else "none"
 
+    def describe(self) -> ProposerInfo:
+        """Its :attr:`quantization`; its head forwards priced on the cost table's ``"medusa"`` curve."""
+        return ProposerInfo(self.quantization, "medusa")
+
     def reset(self) -> None:
         self._last: torch.Tensor | None = None  # (H,): the feature of the newest known position
         self._known = 0  # features received: positions 0 .. _known - 1
-        self.take_pass_widths()  # forget the head evaluations of an unfinished request
 
     def observe_features(self, hidden: torch.Tensor) -> None:
         """The target's features of the next ``m`` positions, ``[m, H]`` (see :mod:`.base`)."""
@@ -135,7 +138,7 @@ class MedusaProposer(ProposerBase):
         """
         check_features(self.name, self._known, int(context.shape[0]))
         assert self._last is not None
-        self.record_pass(1)  # every head on one feature: priced by a cost table's "medusa" curve
+        self.passes(1)  # every head on one feature: priced by a cost table's "medusa" curve
         return self.drafter.logits(self.drafter(self._last))  # (K, N)
 
     def propose(
@@ -162,7 +165,7 @@ class MedusaProposer(ProposerBase):
         if self.graphed is not None and sampling.greedy and threshold == 0 and k >= 1:
             check_features(self.name, self._known, int(context.shape[0]))
             assert self._last is not None
-            self.record_pass(1)  # priced as head_logits' evaluation
+            self.passes(1)  # priced as head_logits' evaluation
             return DraftTokens(self.graphed.draft(self._last, k).to("cpu", copy=True))  # (k,): one host copy
         logits = self.head_logits(context)  # (K, N)
         ids: list[torch.Tensor] = []

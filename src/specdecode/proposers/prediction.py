@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from specdecode.pass_observers import NO_DRAFT_PASSES, NO_PROPOSER, DraftPasses, ProposerInfo
 from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
@@ -255,17 +256,19 @@ class PredictionProposer(ProposerBase):
     def drafter(self) -> torch.nn.Module | None:  # type: ignore[override]
         return getattr(self.fallback, "drafter", None)
 
-    @property
-    def quantization(self) -> str:  # type: ignore[override]
-        return self.fallback.quantization if self.fallback is not None else "none"
+    def describe(self) -> ProposerInfo:
+        """The fallback's (the prediction costs no forwards); :data:`NO_PROPOSER` without one."""
+        return self.fallback.describe() if self.fallback is not None else NO_PROPOSER
 
     @property
-    def pass_kind(self) -> str:  # type: ignore[override]
-        return self.fallback.pass_kind if self.fallback is not None else "draft"
+    def passes(self) -> DraftPasses:  # type: ignore[override]
+        """The fallback's sink (the prediction makes no forwards): setting it sets the fallback's."""
+        return self.fallback.passes if self.fallback is not None else NO_DRAFT_PASSES  # type: ignore[attr-defined]
 
-    def take_pass_widths(self) -> list[int]:
-        """The fallback's own model's forwards since the last call (the prediction costs none)."""
-        return self.fallback.take_pass_widths() if self.fallback is not None else []
+    @passes.setter
+    def passes(self, sink: DraftPasses) -> None:
+        if self.fallback is not None:
+            self.fallback.passes = sink  # type: ignore[attr-defined]
 
     def clear_cache(self) -> None:
         if self.fallback is not None:

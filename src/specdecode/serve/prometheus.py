@@ -19,14 +19,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specdecode.pass_observers import PassObserver, TargetPass
+
 PREFIX = "specdecode_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class ServeMetrics:
-    """The server's counters, gauges and histograms in one registry (thread-safe, as prometheus-client is)."""
+class ServeMetrics(PassObserver):
+    """The server's counters, gauges and histograms in one registry (thread-safe, as prometheus-client is);
+    an observer of the scheduler's target passes (:meth:`target_pass`)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -88,6 +91,10 @@ class ServeMetrics:
         self.queue_time = Histogram(
             p + "request_queue_time_seconds", "Time waiting in the queue", buckets=LATENCY_BUCKETS, registry=r
         )
+
+    def target_pass(self, p: TargetPass) -> None:
+        """One batched target pass: its seconds in ``step_phase_seconds{phase="prefill"}`` or ``{phase="target"}``."""
+        self.step_phase.labels(phase="prefill" if p.prefill else "target").observe(p.seconds)
 
     def observe_verification(self, drafted: int, accepted: int) -> None:
         """One sequence's verification of ``drafted`` tokens, ``accepted`` of them kept."""

@@ -32,6 +32,7 @@ the HTTP layer's and :meth:`Scheduler.submit`'s) in :mod:`specdecode.serve.admis
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
@@ -43,12 +44,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specdecode import loop_steps
 from specdecode.cost.serve_measure import default_batch_grid, in_own_thread, measure_draft_cost, measure_target_costs
 from specdecode.cost.serve_model import INITIAL_ACCEPTANCE, CostModel, plan_speculation
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
 from specdecode.models.torch.placement import device_clock
+from specdecode.pass_observers import PassObserver
 from specdecode.proposers import make_proposer
 from specdecode.proposers.base import DraftTokens
 from specdecode.schedule import acceptance_trials, expected_tokens
@@ -411,13 +414,15 @@ class Scheduler:
 
     def _prefill(self, seqs: list[RunningSequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
-        tic = self._clock()
-        logits, hidden = self._forward(seqs, [s.context[: s.T] for s in seqs], [1] * len(seqs))
-        self.metrics.step_phase.labels(phase="prefill").observe(self._clock() - tic)
-        for s, row_logits, row_hidden in zip(seqs, logits, hidden, strict=True):
-            s.after_prefill(row_hidden)  # (T, H): every prompt position
-            result = s.verify(DraftTokens.empty(), row_logits)  # under a constraint: masked; on the logits' device
+        forward = functools.partial(self._forward, seqs)
+        results, logits = loop_steps.prefill(seqs, forward, self._clock, self._pass_observers())
+        for s, result, row_logits in zip(seqs, results, logits, strict=True):
             self._emit(s, result.tokens, row_logits)  # the logits: rows of log-probabilities, if asked
+
+    def _pass_observers(self) -> list[PassObserver]:
+        """Who hears of every batched target pass besides the rows' own statistics: the metrics
+        (the ``prefill`` and ``target`` phases) and the cost model, once there is one."""
+        return [self.metrics] if self.cost is None else [self.metrics, self.cost]
 
     def _plan(self) -> list[int]:
         """k per running sequence for this step (``--speculation`` and the cost model)."""
@@ -453,28 +458,18 @@ class Scheduler:
         drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
-        inputs = [s.step_input(d.ids) for s, d in zip(seqs, drafts, strict=True)]
-        hints = [  # a split pass compares with the raw argmax: no hint for a constrained row
-            d.ids if s.sampling.greedy and len(d) and s.constraint is None else None
-            for s, d in zip(seqs, drafts, strict=True)
-        ]
         tic = self._clock()
-        logits, hidden = self._forward(seqs, inputs, [x.shape[0] for x in inputs], hints)  # 2. one batched pass
-        seconds = self._clock() - tic
-        if self.cost is not None:
-            self.cost.observe_target(len(seqs), max(x.shape[0] for x in inputs), seconds)
+        forward = functools.partial(self._forward, seqs)
+        logits, hidden, seconds = loop_steps.score(seqs, drafts, forward, self._clock, self._pass_observers())  # 2.
         phase.labels(phase="plan").observe(t1 - t0)
         phase.labels(phase="draft").observe(tic - t1)
-        phase.labels(phase="target").observe(seconds)
         for s, draft, row_logits, row_hidden in zip(seqs, drafts, logits, hidden, strict=True):
-            # 3. verify the drafts scored (fewer than drafted only if greedy and a draft token was wrong),
-            # where the logits are (the draft was moved once by s.propose: ids CPU, probs on that device)
-            result = s.verify(draft, row_logits)
+            # 3.-4. verify the drafts scored (fewer than drafted only if greedy and a draft token was wrong),
+            # where the logits are (the draft was moved once by s.propose: ids CPU, probs on that device);
+            # roll back to context + accepted drafts; proposer feedback and stats
+            truncate = functools.partial(self.runner.truncate, s.row)
+            result = loop_steps.verify_truncate(s, draft, row_logits, row_hidden, truncate)
             n = result.num_accepted
-            self.runner.truncate(s.row, s.T + n)  # 4. keep context + accepted drafts
-            kept = row_hidden[: n + 1] if row_hidden is not None else None  # features of the root + accepted drafts
-            s.after_verify(len(draft), result, kept)  # 4. proposer feedback, 5. stats
-            s.stats.target_time_s += seconds
             if len(draft):
                 s.estimate.observe(len(draft), n)
                 name = s.req.proposer or ""
