@@ -1,8 +1,14 @@
-"""Tiny, seeded, randomly initialised models and a tiny BPE tokenizer for fast tests (float32)."""
+"""Tiny, seeded, randomly initialised models and a tiny BPE tokenizer for fast tests (float32);
+the real default models, each loaded once per session (``load_default_gguf``, ``real_pair``)."""
 
 from __future__ import annotations
 
 import copy
+import gc
+import importlib.util
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,16 +153,144 @@ def tiny_pair(tiny_target: Qwen2ForCausalLM) -> dict[str, Qwen2ForCausalLM]:
     }
 
 
+# ---------------------------------------------------------------------------- the real models
+# Loaded once per session and shared by every test file (a fresh-clone run loaded the float32 pair
+# twice and the 1.5B GGUF about a dozen times: 28 min, 18.5 GB). Whether they are installed is
+# decided from the files, never by loading one (``require_default_gguf``, ``require_default_pair``).
+
+
+def require_default_gguf(role: str = "target") -> Path:
+    """The default pair's GGUF file for ``role``, without loading it; the test is skipped (with the
+    reason) where llama-cpp-python or the default models are not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    from specdecode.errors import ModelNotFoundError
+    from specdecode.models.backends import gguf_path
+
+    try:
+        return gguf_path(None, role)
+    except ModelNotFoundError as error:
+        pytest.skip(f"default models not installed: {error}")
+
+
+_GGUF: dict[tuple[Path, Any, bool], Any] = {}  # (file, options, ...: _gguf_key) -> LlamaCppModel
+
+
+def _gguf_key(path: Path, options: Any) -> tuple[Path, Any, bool]:
+    """What makes two loads of ``path`` the same model: the options, with ``threads`` as the count it
+    stands for (None: this process's cores) and ``gpu_layers`` moot on a build without GPU offload,
+    and whether ``invariant_tokens`` was given (a default one changes on a GPU)."""
+    from dataclasses import replace
+
+    from specdecode.models.llamacpp.model import LlamaCppOptions, _lib
+
+    options = options or LlamaCppOptions()
+    same = replace(options, threads=options.n_threads)
+    if not _lib().llama_supports_gpu_offload():
+        same = replace(same, gpu_layers=0)
+    return Path(path).resolve(), same, options.invariant_tokens_given
+
+
+def _shared_load_llamacpp(original: Any) -> Any:
+    """``specdecode.models.backends.load_llamacpp`` answering every load of a file with options it
+    has loaded before with that model (see :func:`load_default_gguf`)."""
+
+    def load_llamacpp(spec: Any, role: str, options: Any = None) -> Any:
+        from specdecode.models.backends import gguf_path
+
+        key = _gguf_key(gguf_path(spec, role), options)
+        if key not in _GGUF:
+            _GGUF[key] = original(spec, role, options)
+        return _GGUF[key]
+
+    return load_llamacpp
+
+
+@pytest.fixture(scope="session", autouse=True)
+def share_gguf_loads():
+    """Every GGUF load in this process (``load_default_gguf``; ``from_pretrained`` and the commands
+    run by ``main``, through ``specdecode.load``) goes through one cache: a file loaded with the same
+    options is the same :class:`~specdecode.models.llamacpp.LlamaCppModel` (its runners, each a
+    context with its own KV cache, are made per use; a test that changes the model puts it back).
+    Commands run in a subprocess load their own."""
+    from specdecode.models import backends
+
+    original = backends.load_llamacpp
+    backends.load_llamacpp = _shared_load_llamacpp(original)
+    yield
+    backends.load_llamacpp = original
+    drop_shared_models()
+
+
 def load_default_gguf(role: str, **options: Any) -> Any:
     """The default pair's GGUF ``role`` (``"target"`` / ``"draft"``) on llama.cpp with
     :class:`~specdecode.models.llamacpp.LlamaCppOptions` ``options`` (none: the defaults, exact
-    mode); the test is skipped where llama-cpp-python or the default models are not installed."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
-    from specdecode.errors import ModelNotFoundError
-    from specdecode.models.backends import load_llamacpp
+    mode), loaded once per session for these options; the test is skipped where llama-cpp-python
+    or the default models are not installed (decided without loading: :func:`require_default_gguf`)."""
+    require_default_gguf(role)
+    from specdecode.models import backends
     from specdecode.models.llamacpp.model import LlamaCppOptions
 
+    return backends.load_llamacpp(None, role, LlamaCppOptions(**options))
+
+
+def drop_shared_models() -> None:
+    """Forget the GGUF models loaded so far (they are freed once no test holds them)."""
+    _GGUF.clear()
+    gc.collect()
+
+
+_PLAIN: weakref.WeakKeyDictionary[Any, dict[tuple, list[int]]] = weakref.WeakKeyDictionary()
+
+
+def plain_greedy(model: Any, ids: Sequence[int], max_new_tokens: int, tokenizer: Any = None) -> list[int]:
+    """Greedy target-only decoding of the prompt ``ids`` by ``model``, as ``SpeculativeGenerator(model,
+    tokenizer=tokenizer).generate(ids, SamplingParams(max_new_tokens=n), speculative=False)`` gives it,
+    decoded once per model, prompt and end-of-sequence ids (the tokenizer's count): every run starts
+    from a reset cache (one prefill pass, then one token per pass), so the first n tokens of a longer
+    run are the run of n tokens."""
+    from specdecode import SamplingParams, SpeculativeGenerator
+    from specdecode.engine import eos_token_ids
+
+    eos = eos_token_ids(model, tokenizer)
+    key = (tuple(int(i) for i in ids), eos)
+    known = _PLAIN.setdefault(model, {})
+    done = known.get(key)
+    if done is None or (len(done) < max_new_tokens and not (done and done[-1] in eos)):
+        plain = SpeculativeGenerator(model, tokenizer=tokenizer)
+        known[key] = done = plain.generate(list(key[0]), SamplingParams(max_new_tokens=max_new_tokens)).token_ids
+    return done[:max_new_tokens]
+
+
+def require_default_pair() -> None:
+    """Skip (with the reason) where the default pair's model packages are not installed, without
+    loading either model."""
+    from specdecode.errors import ModelNotFoundError
+    from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
+
     try:
-        return load_llamacpp(None, role, LlamaCppOptions(**options))
+        part_paths(DEFAULT_TARGET), part_paths(DEFAULT_DRAFT)
     except ModelNotFoundError as error:
         pytest.skip(f"default models not installed: {error}")
+
+
+@pytest.fixture(scope="session")
+def real_pair() -> Any:
+    """The default pair on torch in float32, as ``SpeculativeGenerator.from_pretrained(dtype="float32")``
+    loads it (the target's weights prepacked for oneDNN, the draft drafting from its int8 copy), once
+    per session. The tests that use it run last (:func:`pytest_collection_modifyitems`), and the GGUF
+    models are dropped before it loads, so the two never take memory at the same time."""
+    from specdecode import SpeculativeGenerator
+
+    require_default_pair()
+    drop_shared_models()
+    return SpeculativeGenerator.from_pretrained(dtype="float32")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests of the float32 real pair (``real_pair``, the largest model in memory) run last, in
+    their order; every other test keeps its place."""
+    last = [item for item in items if "real_pair" in getattr(item, "fixturenames", ())]
+    if last:
+        chosen = set(last)
+        items[:] = [item for item in items if item not in chosen] + last

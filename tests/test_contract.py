@@ -99,7 +99,7 @@ def test_torch_runners_satisfy_their_protocols(tiny_target) -> None:
 
 @pytest.mark.slow
 def test_llamacpp_runners_satisfy_their_protocols() -> None:
-    model = load_default_gguf("target", n_ctx=256)
+    model = load_default_gguf("target")  # the session's (conftest)
     single = make_runner(model)
     batched = make_batched_runner(model, 2, 128)
     assert isinstance(single, LlamaCppRunner) and isinstance(single, Runner) and not isinstance(single, BatchedRunner)

@@ -2,12 +2,12 @@
 byte-level BPE tokenizers (trained on different texts, 331 and 291 tokens): greedy equality with
 target-only decoding for drafts that agree fully, often and never; the sampled distribution at
 every position; the draft's context kept in sync through acceptances and rollbacks; errors,
-the "does not pay" warning, automatic selection in ``from_pretrained``, the CLI and the bench."""
+the "does not pay" warning, automatic selection in ``from_pretrained``, the CLI and the bench. The real
+target with the SmolLM2 draft: tests/test_real_models.py (the session's one float32 target)."""
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -434,27 +434,3 @@ def test_smollm2_is_pinned_and_named(tmp_path, monkeypatch) -> None:
         resolve_model_dir("smollm2", "draft")
     with pytest.raises(ValueError, match="model name"):
         default.ensure_named_model("nope")
-
-
-# ---------------------------------------------------------------------------- the real pair (slow)
-@pytest.mark.slow
-def test_real_target_with_smollm2_draft_greedy_float32() -> None:
-    """Qwen2.5-Coder-1.5B-Instruct drafted for by SmolLM2-135M-Instruct: identical greedy output."""
-    from specdecode.models.default import DEFAULT_TARGET, SMOLLM2, part_paths
-
-    try:
-        part_paths(DEFAULT_TARGET), part_paths(SMOLLM2)
-    except ModelNotFoundError as error:
-        pytest.skip(f"models not installed: {error}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        spec = SpeculativeGenerator.from_pretrained(draft="smollm2", dtype="float32")
-        prompt = "Write a Python function that checks whether a number is prime."
-        sampling = SamplingParams(max_new_tokens=16)
-        result = spec.generate(prompt, sampling, num_speculative_tokens=4)
-        assert spec.proposer.name == "cross_tokenizer"
-        assert result.token_ids == spec.generate(prompt, sampling, speculative=False).token_ids
-        assert result.stats.acceptance_rate > 0.3
-    finally:
-        torch.set_num_threads(before)

@@ -19,7 +19,7 @@ from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import logits_to_probs
 from specdecode.verify import VerifyResult
 
-from conftest import load_default_gguf
+from conftest import load_default_gguf, plain_greedy
 from stat_checks import P_MIN, check_all, first_two_tokens_p_values
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def target():
-    return load_default_gguf("target")  # the defaults: exact, repacked weights
+    return load_default_gguf("target")  # the defaults: exact, repacked weights (loaded once per session)
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +134,8 @@ def test_without_the_switch_exact_mode_turns_flash_attention_off(target, monkeyp
 
 
 def test_fast_mode_verifies_in_one_pass(target) -> None:
-    from specdecode.models.llamacpp.model import LlamaCppModel, LlamaCppOptions
-
-    fast = LlamaCppModel(target.path, LlamaCppOptions(exact=False))
+    fast = load_default_gguf("target", exact=False)
+    assert fast.path == target.path and not fast.options.exact
     runner = fast.make_runner(n_ctx=128)
     runner.forward(IDS[:10])
     before = runner.passes
@@ -169,15 +168,16 @@ class Scripted(ProposerBase):
 @pytest.mark.parametrize("agree", [None, 0, 2])
 @pytest.mark.parametrize("k", [3, 8])
 def test_greedy_equals_plain_decoding_with_drafts_that_agree_fully_never_partly(target, tokenizer, agree, k) -> None:
-    plain = SpeculativeGenerator(target, tokenizer=tokenizer)
-    sampling = SamplingParams(max_new_tokens=40)
-    expected = plain.generate(PROMPTS[0], sampling, speculative=False)
-    prompt_len = int(plain.encode_prompt(PROMPTS[0]).shape[0])
-    proposer = Scripted(prompt_len, expected.token_ids + [0] * 16, agree)
+    """24 tokens: k = 8 verifies in three chunks of ``invariant_tokens`` and k = 3 in two, and the
+    partly agreeing drafts (2 of each k right) are cut at a known place in every one of 6-8 steps."""
+    sampling = SamplingParams(max_new_tokens=24)
+    ids = SpeculativeGenerator(target, tokenizer=tokenizer).encode_prompt(PROMPTS[0]).tolist()
+    expected = plain_greedy(target, ids, 24, tokenizer)  # plain decoding, once for the six cases
+    proposer = Scripted(len(ids), expected + [0] * 16, agree)
     result = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=proposer).generate(
-        PROMPTS[0], sampling, num_speculative_tokens=k
+        ids, sampling, num_speculative_tokens=k
     )
-    assert result.token_ids == expected.token_ids
+    assert result.token_ids == expected and len(expected) == 24
     rate = result.stats.acceptance_rate
     assert rate > 0.95 if agree is None else (rate == 0.0 if agree == 0 else 0.1 < rate < 0.95), rate
 
@@ -188,13 +188,14 @@ def test_greedy_speculation_equals_plain_decoding_on_real_prompts(target, draft,
 
     built = make_proposer(proposer, draft=draft, target=target)
     spec = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=built)
-    sampling = SamplingParams(max_new_tokens=64)
+    sampling = SamplingParams(max_new_tokens=32)
     accepted = 0
     assert int(spec.encode_prompt(LONG_PROMPT).shape[0]) > 512
     for prompt in [*PROMPTS, LONG_PROMPT]:
-        expected = spec.generate(prompt, sampling, speculative=False)
-        result = spec.generate(prompt, sampling, schedule="ungated")  # every draft sent: the proposer's own
-        assert result.token_ids == expected.token_ids, prompt
+        ids = spec.encode_prompt(prompt).tolist()
+        expected = plain_greedy(target, ids, 32, tokenizer)  # decoded once for both proposers
+        result = spec.generate(ids, sampling, schedule="ungated")  # every draft sent: the proposer's own
+        assert result.token_ids == expected, prompt
         accepted += result.stats.accepted_tokens
         assert result.stats.dtype.startswith("gguf")
     assert accepted > 10  # the drafts were used
@@ -230,7 +231,9 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
     inverted (min(1, q/p)); 0.98 with the recovered token drawn from p instead of norm(max(0, p - q))
     (total variation 0.02-0.21 per first token); 0.26 with q taken without top-k in the ratio and
     the residual (total variation 0.01-0.15). The joint test over the 36 pairs at 400 samples that
-    this replaces: 0.76 for the recovered-token bug (false alarms 0.0013)."""
+    this replaces: 0.76 for the recovered-token bug (false alarms 0.0013). Fewer samples lose that
+    power (re-simulated for issue 50: the recovered-token bug 0.72 at 400 samples, 0.45 at 300;
+    q without top-k 0.08, 0.03), so the test keeps 600 though it is the suite's slowest."""
     from specdecode.proposers import make_proposer
 
     sampling = SamplingParams(temperature=1.0, top_k=6, max_new_tokens=3)

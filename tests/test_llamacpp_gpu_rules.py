@@ -38,13 +38,16 @@ def test_a_callers_invariant_tokens_and_fast_mode_are_left_alone() -> None:
 def test_a_model_on_the_cpu_keeps_the_cpu_rule_and_a_gpu_context_skips_the_reference_kernels() -> None:
     """On this CPU build the model is not on a GPU (CPU rule; exact mode's context switches the CPU
     reference kernels); a context made as if every layer were on a GPU gets no switch."""
-    model = load_default_gguf("draft", n_ctx=256)
+    model = load_default_gguf("draft")  # the session's (conftest): left as it was loaded
     assert not model.on_gpu
     assert model.options.invariant_tokens == INVARIANT_TOKENS[True]
-    for on_gpu, expect_kernels in ((False, True), (True, False)):
-        model.on_gpu = on_gpu  # True: as a CUDA build with every layer offloaded sets it
-        ctx, kernels = new_context(model, 256)
-        try:
-            assert (kernels is not None) == expect_kernels
-        finally:
-            _lib().llama_free(ctx)
+    try:
+        for on_gpu, expect_kernels in ((False, True), (True, False)):
+            model.on_gpu = on_gpu  # True: as a CUDA build with every layer offloaded sets it
+            ctx, kernels = new_context(model, 256)
+            try:
+                assert (kernels is not None) == expect_kernels
+            finally:
+                _lib().llama_free(ctx)
+    finally:
+        model.on_gpu = False

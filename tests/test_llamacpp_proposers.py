@@ -17,6 +17,8 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import ModelNotFoundError
 
+from conftest import plain_greedy, require_default_gguf
+
 pytestmark = pytest.mark.slow
 
 PROMPT = (
@@ -26,7 +28,8 @@ PROMPT = (
 
 
 def _generator(**options) -> SpeculativeGenerator:
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/setup.sh builds it)")
+    """``from_pretrained`` on llama.cpp: the target is the session's (conftest shares GGUF loads)."""
+    require_default_gguf("target")
     try:
         return SpeculativeGenerator.from_pretrained(backend="llamacpp", threads=2, **options)
     except ModelNotFoundError as error:
@@ -49,10 +52,11 @@ def test_trained_drafters_on_llamacpp_features_equal_plain_decoding(kind: str, r
     drafter = generator.proposer.drafter
     assert drafter.head_quantized  # head_quantization auto: int8 rows on the CPU
     sampling = SamplingParams(max_new_tokens=40)
-    plain = generator.generate(PROMPT, sampling, speculative=False)
-    chain = generator.generate(PROMPT, sampling)
-    tree = generator.generate(PROMPT, sampling, tree="default")
-    assert chain.token_ids == plain.token_ids and tree.token_ids == plain.token_ids
+    ids = generator.encode_prompt(PROMPT).tolist()
+    plain = plain_greedy(generator.target.model, ids, 40, generator.tokenizer)  # once for every test here
+    chain = generator.generate(ids, sampling)
+    tree = generator.generate(ids, sampling, tree="default")
+    assert chain.token_ids == plain and tree.token_ids == plain
     assert chain.stats.proposer == kind and chain.stats.accepted_tokens > 0 and tree.stats.accepted_tokens > 0
 
 
@@ -83,10 +87,9 @@ def test_cross_tokenizer_smollm2_gguf_equals_plain_decoding(capsys) -> None:
     assert generator.proposer.name == "cross_tokenizer"
     assert type(generator.proposer.runner).__name__ == "LlamaCppRunner"
     assert "cross_tokenizer" in capsys.readouterr().err
-    sampling = SamplingParams(max_new_tokens=40)
-    plain = generator.generate(PROMPT, sampling, speculative=False)
-    speculative = generator.generate(PROMPT, sampling)
-    assert speculative.token_ids == plain.token_ids
+    ids = generator.encode_prompt(PROMPT).tolist()
+    speculative = generator.generate(ids, SamplingParams(max_new_tokens=40))
+    assert speculative.token_ids == plain_greedy(generator.target.model, ids, 40, generator.tokenizer)
     assert speculative.stats.drafts > 0
 
 

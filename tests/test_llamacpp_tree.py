@@ -21,7 +21,7 @@ from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.tree import DraftTree, tree_attention
 from specdecode.verify import VerifyResult, greedy_verify_tree
 
-from conftest import load_default_gguf
+from conftest import load_default_gguf, plain_greedy
 from stat_checks import P_MIN, chi_square_p
 
 pytestmark = pytest.mark.slow
@@ -155,10 +155,11 @@ def test_greedy_tree_speculation_equals_plain_decoding(target, draft, tokenizer,
         else DraftModelProposer(draft)
     )
     generator = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=made)
+    ids = generator.encode_prompt(PROMPT).tolist()
+    plain = plain_greedy(target, ids, 40, tokenizer)  # decoded once for the four cases
     sampling = SamplingParams(max_new_tokens=40)
-    plain = generator.generate(PROMPT, sampling, speculative=False)
-    speculative = generator.generate(PROMPT, sampling, tree=tree, schedule="ungated")  # every draft sent
-    assert speculative.token_ids == plain.token_ids
+    speculative = generator.generate(ids, sampling, tree=tree, schedule="ungated")  # every draft sent
+    assert speculative.token_ids == plain
     assert speculative.stats.tree != "none" and speculative.stats.accepted_tokens > 0
 
 
@@ -210,15 +211,25 @@ class FixedTree(ProposerBase):
     def observe(self, result: VerifyResult) -> None: ...
 
 
+SAMPLED_TREE_RUNS = 300  # seeds 0-299; the power below is for this many
+
+
 def test_sampled_tree_speculation_follows_the_target(target) -> None:
     """Temperature 1, top-k 2, a tree over the second and third tokens (both second tokens the
     likeliest first allows, and the likelier third under the first of them), walked node by node on
     llama.cpp: tokens 1-3 follow the target's exact joint distribution from llama.cpp's own logits
-    (chi-square over the 4 pairs and the 8 triples, p > P_MIN, 400 seeded samples), with drafts
+    (chi-square over the 4 pairs and the 8 triples, p > P_MIN each, 300 seeded samples), with drafts
     accepted, at both branches, and rejected. Token 3 is read from a branch node's row (a bonus
-    token) or recovered, so a branch scored with another node's logits fails here (checked by
-    hand with the second branch given the root's row; given its sibling's row, whose top-2 law is
-    close to its own on this prompt, it does not)."""
+    token) or recovered, so a branch scored with another node's logits fails here; given its
+    sibling's row, whose top-2 law is close to its own on this prompt, it does not.
+
+    Power at 300 samples, simulated from this prompt's laws on llama.cpp (1,000 runs per case,
+    the rule of ``rejection_sample_tree``, these two chi-square tests): a bug is caught with
+    probability 1.00 when the second branch is scored with the root's row (total variation of the
+    triples 0.15), when the first branch's child is (0.66), or when a rejected child stays in the
+    residual (0.19; 0.99 at 200 samples); not when the second branch takes its sibling's row
+    (0.003). A correct sampler fails with probability 0.001 (5,000 runs; 0.002 at 400 samples, the
+    count before, 0.004 at 200)."""
     from specdecode.models.backends import load_llamacpp_tokenizer
 
     sampling = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=3)  # 2: the last token gets no draft
@@ -246,7 +257,7 @@ def test_sampled_tree_speculation_follows_the_target(target) -> None:
     spec = SpeculativeGenerator(target, proposer=FixedTree(len(prompt) + 1, [a, b, c], [0, 0, 1]))
     results = [
         spec.generate(prompt, SamplingParams(**{**sampling.__dict__, "seed": seed}), tree=[[0], [1], [0, 0]])
-        for seed in range(400)
+        for seed in range(SAMPLED_TREE_RUNS)
     ]
     for law, n in ((pairs, 2), (triples, 3)):
         keys = sorted(law)

@@ -36,8 +36,26 @@ def pair():
     return target, load_default_gguf("draft"), load_llamacpp_tokenizer(target)
 
 
+_RESCORED: dict[tuple, torch.Tensor] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forget_rescorings():
+    """The rescorings ([n, V] each) live as long as this module's tests."""
+    yield
+    _RESCORED.clear()
+
+
 def rescored(target, prompt: list[int], emitted: list[int]) -> torch.Tensor:
-    """float32 ``[len(emitted), V]`` log_softmax from a fresh runner: prefill, then the emitted tokens."""
+    """float32 ``[len(emitted), V]`` log_softmax from a fresh runner: prefill, then the emitted tokens
+    (once per prompt and tokens: the greedy cases below all emit plain decoding's tokens)."""
+    key = (id(target), tuple(prompt), tuple(emitted))
+    if key not in _RESCORED:
+        _RESCORED[key] = _rescored(target, prompt, emitted)
+    return _RESCORED[key]
+
+
+def _rescored(target, prompt: list[int], emitted: list[int]) -> torch.Tensor:
     runner = target.make_runner()
     first = runner.forward(torch.tensor(prompt), num_logits=1)  # (1, V)
     rest = runner.forward(torch.tensor(emitted[:-1]), num_logits=len(emitted) - 1) if len(emitted) > 1 else first[:0]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_default_gguf
+from conftest import require_default_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -94,8 +94,9 @@ def test_the_tour_has_commands_and_snippets() -> None:
 
 @pytest.fixture(scope="module")
 def installed() -> None:
-    """Skip (with the reason) where llama-cpp-python or the default models are missing."""
-    load_default_gguf("target")
+    """Skip (with the reason) where llama-cpp-python or the default models are missing (from the
+    files: no model is loaded to decide)."""
+    require_default_gguf("target"), require_default_gguf("draft")
     assert SPECDECODE.is_file(), f"no {SPECDECODE}: run scripts/setup.sh"
 
 

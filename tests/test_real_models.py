@@ -1,6 +1,7 @@
-"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft), installed by scripts/test.sh.
+"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft) on torch in float32, installed by
+scripts/test.sh: loaded once per session (``real_pair`` in conftest.py, whose tests run last).
 
-Skipped, with the reason, when the model packages are not installed."""
+Skipped, with the reason, when the model packages are not installed (decided without loading them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import ModelNotFoundError
-from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
 
 pytestmark = pytest.mark.slow
 
@@ -23,15 +23,6 @@ def all_cores():
     torch.set_num_threads(os.cpu_count() or 1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def real_pair() -> SpeculativeGenerator:
-    try:
-        part_paths(DEFAULT_TARGET), part_paths(DEFAULT_DRAFT)
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
-    return SpeculativeGenerator.from_pretrained(dtype="float32")
 
 
 def test_real_pair_greedy_float32_equals_target_only(real_pair: SpeculativeGenerator) -> None:
@@ -69,3 +60,29 @@ def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: S
     assert result.token_ids == baseline.token_ids
     assert result.stats.proposer == kind
     assert result.stats.mean_acceptance_length > 1.2  # trained: more than the one token a target step gives
+
+
+def test_real_target_with_smollm2_draft_greedy_float32(real_pair: SpeculativeGenerator) -> None:
+    """Qwen2.5-Coder-1.5B-Instruct drafted for by SmolLM2-135M-Instruct (another tokenizer): the load
+    path picks ``cross_tokenizer`` for this draft (``plan_models``, as ``from_pretrained(draft="smollm2")``
+    plans it), and the proposer it builds on the shared float32 target gives identical greedy output."""
+    from specdecode.load import plan_models
+    from specdecode.models.default import SMOLLM2, part_paths
+    from specdecode.models.torch.hf_loading import load_model
+    from specdecode.proposers import PROPOSERS
+
+    try:
+        part_paths(SMOLLM2)
+    except ModelNotFoundError as error:
+        pytest.skip(f"models not installed: {error}")
+    plan = plan_models(None, "smollm2", dtype="float32")
+    assert plan.backend == "torch" and plan.proposer == "cross_tokenizer"
+    target = real_pair.target.model
+    proposer = PROPOSERS[plan.proposer].build(plan.config, target, load_model(plan.draft, "draft", plan.dtype))
+    spec = SpeculativeGenerator(target, tokenizer=real_pair.tokenizer, proposer=proposer)
+    prompt = "Write a Python function that checks whether a number is prime."
+    sampling = SamplingParams(max_new_tokens=16)
+    result = spec.generate(prompt, sampling, num_speculative_tokens=4)
+    assert result.stats.proposer == "cross_tokenizer"
+    assert result.token_ids == real_pair.generate(prompt, sampling, speculative=False).token_ids
+    assert result.stats.acceptance_rate > 0.3

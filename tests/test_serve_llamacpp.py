@@ -20,11 +20,10 @@ import openai
 import pytest
 import torch
 
-from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.serve.server import BackgroundServer, build_app
 from test_serve import Server, extra, wait_for
 
-from conftest import load_default_gguf
+from conftest import load_default_gguf, plain_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +59,9 @@ def server(target):
 
 
 def alone(model, tokenizer, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens of ``ids`` decoded alone without speculation, on the same backend."""
-    plain = SpeculativeGenerator(model, tokenizer=tokenizer)
-    return plain.generate(ids, SamplingParams(max_new_tokens=n), speculative=False).token_ids
+    """Greedy tokens of ``ids`` decoded alone without speculation, on the same backend (once per
+    prompt: conftest's ``plain_greedy``)."""
+    return plain_greedy(model, ids, n, tokenizer)
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

@@ -52,9 +52,20 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
 def reference_constrained(model, tokenizer, prompt: list[int], n: int, eos: set[int]) -> list[int]:
     """Constrained greedy decoding by the target alone: the prompt in one pass, then one token per
-    pass, each token the argmax of the logits with every token llguidance forbids masked out."""
+    pass, each token the argmax of the logits with every token llguidance forbids masked out
+    (decoded once per model, prompt, length and EOS ids: the three tests below share it)."""
+    key = (id(model), tuple(prompt), n, frozenset(eos))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_constrained(model, tokenizer, prompt, n, eos)
+    return list(_REFERENCE[key])
+
+
+def _reference_constrained(model, tokenizer, prompt: list[int], n: int, eos: set[int]) -> list[int]:
     import llguidance
     import llguidance.hf
 
