@@ -47,6 +47,25 @@ def test_pass_costs_measure_interpolate_and_learn_the_chunk() -> None:
     assert measured.chunk == 3
 
 
+def test_wide_costs_follow_the_one_token_pass_as_the_context_changes() -> None:
+    """Costs measured at a long context (c(1) 60 ms, 6 rows 300 ms), then only one-token passes at
+    a short one (c(1) -> 30 ms): the 6-row cost follows c(1) (-> 150 ms), and a gate that found
+    drafting unprofitable with the stale costs drafts again."""
+    measured = PassCosts(ema=1.0)
+    measured.chunk = 3
+    measured.observe(1, 1, 0.060, 0.060)
+    measured.observe(3, 3, 0.160, 0.160)
+    measured.observe(6, 6, 0.300, 0.300)
+    stale = PassCosts(ema=1.0, ms=list(measured.ms), chunk=3, step_ms=0.0)
+    stale.ms[1] = 30.0  # what the costs were before rescaling: c(1) new, the wide widths old
+    measured.observe(1, 1, 0.030, 0.030)
+    assert measured.cost(1, 0.6) == pytest.approx(30.0)
+    assert measured.cost(6, 0.6) == pytest.approx(150.0) and measured.cost(3, 0.6) == pytest.approx(80.0)
+    config = GateConfig(prior_first=(0.9,) * 5, prior_next=0.95)
+    assert len(DraftGate(measured, config).trim(draft(5))) > 0
+    assert len(DraftGate(stale, config).trim(draft(5))) == 0
+
+
 def test_expected_cost_of_a_chunked_pass_equals_enumeration() -> None:
     """With chunks of 3, a pass of w rows stops after the first chunk holding a wrong draft: the
     gate's expected cost equals the sum over every accept/reject pattern of the drafts."""

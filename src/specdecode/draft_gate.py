@@ -103,11 +103,23 @@ class PassCosts:
 
     def observe(self, width: int, rows: int, target_s: float, step_s: float) -> None:
         """One step: a pass fed ``width`` tokens, computed ``rows`` of them (fewer when it stopped
-        early) in ``target_s`` seconds, the whole step taking ``step_s``."""
+        early) in ``target_s`` seconds, the whole step taking ``step_s``.
+
+        A one-token pass also rescales every wider width's cost by the change of ``c(1)``: passes
+        cost more as the context grows (attention), and the gate, once it stops sending wide drafts,
+        measures only one-token passes; without the rescaling the wide widths kept what they cost
+        at the longest context seen (a generator's earlier requests), and the gate stayed shut
+        (measured: HumanEval after a run of long prompts, 398 of 462 drafted tokens gated, 1.01x
+        instead of 1.12x; lab/notebook/2026-11-27-heldout-gate.md)."""
         if rows < 1 or rows > MAX_ROWS or target_s <= 0:
             return
         old = self.ms[rows]
         self.ms[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
+        if rows == 1 and old > 0:  # keep every width's cost relative to c(1) as measured
+            scale = self.ms[1] / old
+            for w in range(2, MAX_ROWS + 1):
+                if self.ms[w]:
+                    self.ms[w] *= scale
         extra = 1000 * max(0.0, step_s - target_s)
         self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
         if rows < width:
