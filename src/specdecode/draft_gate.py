@@ -19,7 +19,8 @@ from this request's own evidence and this machine's own measured pass costs:
 - **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
   per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate.
 
-Drafts without evidence (a draft model's, EAGLE's) pass unchanged. Only greedy requests are gated:
+Drafts without evidence (a draft model's, EAGLE's) and a client's prediction
+(:data:`UNGATED_SOURCES`) pass unchanged. Only greedy requests are gated:
 the gate reads the clock, and a seeded sampled request must draw the same tokens every run (the
 draws it consumes depend on what is drafted). Lossless either way: the gate only shortens a
 deterministic draft, from what earlier steps showed.
@@ -37,6 +38,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdecode.proposers.base import DraftTokens
+
+UNGATED_SOURCES = frozenset({"prediction"})
+"""Evidence sources whose drafts the gate passes unchanged: a client's prediction (Predicted Outputs).
+Measured on the 6 code edits of the bench's ``code_edit`` category (2-core EPYC, 384 new tokens,
+against llama-cpp-python's plain decoding in the same run): the prediction gated ran at 1.05x /
+1.04x (exact, two runs) and 1.12x (``--no-exact``), every draft sent at 1.14x and 1.26x. The gate
+shut after an edit's first rejections and, drafting nothing, learned nothing more; a prediction
+that does not match the answer drafts nothing anyway (the proposer drafts only where the answer
+follows it). lab/notebook/2026-11-27-heldout-gate.md."""
 
 MAX_ROWS = 128
 """Widths (rows computed per pass) whose cost is tracked."""
@@ -108,9 +118,9 @@ class PassCosts:
         A one-token pass also rescales every wider width's cost by the change of ``c(1)``: passes
         cost more as the context grows (attention), and the gate, once it stops sending wide drafts,
         measures only one-token passes; without the rescaling the wide widths kept what they cost
-        at the longest context seen (a generator's earlier requests), and the gate stayed shut
-        (measured: HumanEval after a run of long prompts, 398 of 462 drafted tokens gated, 1.01x
-        instead of 1.12x; lab/notebook/2026-11-27-heldout-gate.md)."""
+        at the longest context seen (a generator's earlier requests). This alone does not reopen a
+        gate that shut: on the 2-core EPYC in exact mode drafting sits at its break-even point, and
+        a shut gate learns nothing more (lab/notebook/2026-11-27-heldout-gate.md)."""
         if rows < 1 or rows > MAX_ROWS or target_s <= 0:
             return
         old = self.ms[rows]
@@ -202,9 +212,9 @@ class DraftGate:
 
     def trim(self, draft: DraftTokens) -> DraftTokens:
         """The draft cut to the length with the best expected rate (possibly empty); a draft without
-        ``evidence`` unchanged."""
+        ``evidence``, or from a source in :data:`UNGATED_SOURCES` (a prediction), unchanged."""
         self._bucket = None
-        if draft.evidence is None or not len(draft):
+        if draft.evidence is None or not len(draft) or draft.evidence[0] in UNGATED_SOURCES:
             return draft
         source, n = draft.evidence
         bucket = (source, max(1, min(5, int(n))))
