@@ -281,29 +281,20 @@ EXACT_TOKENS = int(os.environ.get("SPECDECODE_EXACT_TOKENS", "24"))
 
 
 @pytest.fixture(scope="module")
-def real_bf16() -> Any:
-    """The default pair on torch in bf16 on the CPU (exact mode: the default there), the prompts (first
-    turns of Spec-Bench dev prompts, one group after another) and the target alone's greedy tokens."""
+def real_bf16(real_bf16_pair: Any) -> Any:
+    """The session's default pair on torch in bf16 on the CPU (exact mode: the default there;
+    conftest's ``real_bf16_pair``), the prompts (first turns of Spec-Bench dev prompts, one group
+    after another) and the target alone's greedy tokens."""
     from specdecode.bench.prompts import encode_chat, load_prompts
-    from specdecode.errors import ModelNotFoundError
-    from specdecode.load import load_models, plan_models
-    from specdecode.models.default import DEFAULT_DRAFT, DEFAULT_TARGET, part_paths
 
-    try:
-        part_paths(DEFAULT_TARGET), part_paths(DEFAULT_DRAFT)
-    except ModelNotFoundError as error:
-        pytest.skip(f"default models not installed: {error}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # real models use intra-op threads (conftest sets one)
-    loaded = load_models(plan_models(None, None, "draft_model", "torch", "bfloat16", device="cpu"))
+    loaded = real_bf16_pair
     groups = "translation,summarization,qa,math_reasoning,rag,mt_bench"
     chosen = load_prompts(None, groups, -(-EXACT_TURNS // 6), shortest=True)[:EXACT_TURNS]
     prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in chosen]
     alone = SpeculativeGenerator(loaded.target, tokenizer=loaded.tokenizer)
     sampling = SamplingParams(max_new_tokens=EXACT_TOKENS)
     expected = [alone.generate(p, sampling, speculative=False).token_ids for p in prompts]
-    yield loaded, prompts, expected
-    torch.set_num_threads(before)
+    return loaded, prompts, expected
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
-"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft) on torch in float32, installed by
-scripts/test.sh: loaded once per session (``real_pair`` in conftest.py, whose tests run last).
+"""The real default pair (Qwen2.5-Coder 1.5B target, 0.5B draft) on torch in bfloat16 on the CPU,
+exact passes (the default there), installed by scripts/test.sh: loaded once per session
+(``real_bf16_pair`` / ``real_pair`` in conftest.py, whose tests run last; tests/test_exact_bf16.py
+decodes more turns with the same pair).
 
 Skipped, with the reason, when the model packages are not installed (decided without loading them)."""
 
@@ -25,7 +27,7 @@ def all_cores():
     torch.set_num_threads(before)
 
 
-def test_real_pair_greedy_float32_equals_target_only(real_pair: SpeculativeGenerator) -> None:
+def test_real_pair_greedy_equals_target_only(real_pair: SpeculativeGenerator) -> None:
     prompt = "Write a Python function that returns the n-th Fibonacci number."
     sampling = SamplingParams(max_new_tokens=24)
     baseline = real_pair.generate(prompt, sampling, speculative=False)
@@ -50,7 +52,7 @@ def target_alone(real_pair: SpeculativeGenerator, prompt: str, n: int) -> list[i
 def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: SpeculativeGenerator, kind: str) -> None:
     """The drafters trained for the default target ship in specdecode/data/drafters (lab/notebook/
     2026-11-25-shipped-drafters.md): they load on it (identity checked), reproduce target-only
-    greedy decoding in float32, and draft tokens it keeps on a coding request."""
+    greedy decoding in bf16 (exact passes), and draft tokens it keeps on a coding request."""
     from specdecode.drafters import shipped_drafter_dir
     from specdecode.proposers import make_proposer
 
@@ -72,10 +74,10 @@ def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: S
     assert result.stats.mean_acceptance_length > 1.2  # trained: more than the one token a target step gives
 
 
-def test_real_target_with_smollm2_draft_greedy_float32(real_pair: SpeculativeGenerator) -> None:
+def test_real_target_with_smollm2_draft_greedy(real_pair: SpeculativeGenerator) -> None:
     """Qwen2.5-Coder-1.5B-Instruct drafted for by SmolLM2-135M-Instruct (another tokenizer): the load
     path picks ``cross_tokenizer`` for this draft (``plan_models``, as ``from_pretrained(draft="smollm2")``
-    plans it), and the proposer it builds on the shared float32 target gives identical greedy output."""
+    plans it), and the proposer it builds on the shared bf16 target gives identical greedy output."""
     from specdecode.load import plan_models
     from specdecode.models.default import SMOLLM2, part_paths
     from specdecode.models.torch.hf_loading import load_model
@@ -85,7 +87,7 @@ def test_real_target_with_smollm2_draft_greedy_float32(real_pair: SpeculativeGen
         part_paths(SMOLLM2)
     except ModelNotFoundError as error:
         pytest.skip(f"models not installed: {error}")
-    plan = plan_models(None, "smollm2", dtype="float32")
+    plan = plan_models(None, "smollm2", backend="torch", dtype="bfloat16", device="cpu")
     assert plan.backend == "torch" and plan.proposer == "cross_tokenizer"
     target = real_pair.target.model
     proposer = PROPOSERS[plan.proposer].build(plan.config, target, load_model(plan.draft, "draft", plan.dtype))
