@@ -174,7 +174,11 @@ def require_default_gguf(role: str = "target") -> Path:
         pytest.skip(f"default models not installed: {error}")
 
 
-_GGUF: dict[tuple[Path, Any, bool], Any] = {}  # (file, options, ...: _gguf_key) -> LlamaCppModel
+_GGUF: dict[tuple[Path, Any, bool], Any] = {}  # (file, options, ...: _gguf_key) -> LlamaCppModel, oldest use first
+GGUF_KEPT = 3
+"""GGUF models the session keeps loaded (the most recently used): each target load holds ~2 GB
+(its mapped file and repacked weights), and a run that kept every file-and-options pair peaked at
+10.4 GB; a model no longer kept is freed once no test holds it, and loaded again if asked for."""
 
 
 def _gguf_key(path: Path, options: Any) -> tuple[Path, Any, bool]:
@@ -200,9 +204,14 @@ def _shared_load_llamacpp(original: Any) -> Any:
         from specdecode.models.backends import gguf_path
 
         key = _gguf_key(gguf_path(spec, role), options)
-        if key not in _GGUF:
-            _GGUF[key] = original(spec, role, options)
-        return _GGUF[key]
+        model = _GGUF.pop(key, None)
+        if model is None:
+            while len(_GGUF) >= GGUF_KEPT:  # forget the least recently used
+                _GGUF.pop(next(iter(_GGUF)))
+            gc.collect()
+            model = original(spec, role, options)
+        _GGUF[key] = model  # now the most recently used
+        return model
 
     return load_llamacpp
 
