@@ -177,8 +177,9 @@ def require_default_gguf(role: str = "target") -> Path:
 _GGUF: dict[tuple[Path, Any, bool], Any] = {}  # (file, options, ...: _gguf_key) -> LlamaCppModel, oldest use first
 GGUF_KEPT = 3
 """GGUF models the session keeps loaded (the most recently used): each target load holds ~2 GB
-(its mapped file and repacked weights), and a run that kept every file-and-options pair peaked at
-10.4 GB; a model no longer kept is freed once no test holds it, and loaded again if asked for."""
+(its mapped file and repacked weights); a model no longer kept is freed once no test holds it, and
+loaded again if asked for. (The suite's 10.3 GB peak is not from this cache: it was the same with
+every file-and-options pair kept; lab/notebook/2026-11-27-test-run.md.)"""
 
 
 def _gguf_key(path: Path, options: Any) -> tuple[Path, Any, bool]:
