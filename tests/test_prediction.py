@@ -101,6 +101,7 @@ def test_steps_draft_the_prediction_and_fall_back_where_it_has_nothing() -> None
     context = torch.tensor(prompt + [1, 2])
     draft = proposer.propose(context, 3, greedy, None)
     assert draft.ids.tolist() == [3, 4, 5] and draft.probs is None
+    assert draft.evidence is None  # a client's prediction is sent whole: the draft gate passes it unchanged
     proposer.observe(VerifyResult(2, ids(3, 4, 9)))  # 3, 4 accepted; 9 instead of 5
     assert proposer.record.accepted_prediction_tokens == 2
     context = torch.tensor(prompt + [1, 2, 3, 4, 9])

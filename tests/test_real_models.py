@@ -15,6 +15,8 @@ import torch
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.errors import ModelNotFoundError
 
+from conftest import plain_greedy
+
 pytestmark = pytest.mark.slow
 
 
@@ -38,16 +40,6 @@ def test_real_pair_greedy_equals_target_only(real_pair: SpeculativeGenerator) ->
     assert "def" in result.text
 
 
-_ALONE: dict[tuple[str, int], list[int]] = {}
-
-
-def target_alone(real_pair: SpeculativeGenerator, prompt: str, n: int) -> list[int]:
-    """Greedy target-only decoding of ``prompt`` (``n`` new tokens), once per prompt for the module."""
-    if (prompt, n) not in _ALONE:
-        _ALONE[prompt, n] = real_pair.generate(prompt, SamplingParams(max_new_tokens=n), speculative=False).token_ids
-    return _ALONE[prompt, n]
-
-
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: SpeculativeGenerator, kind: str) -> None:
     """The drafters trained for the default target ship in specdecode/data/drafters (lab/notebook/
@@ -67,8 +59,9 @@ def test_shipped_drafters_load_on_the_real_target_and_stay_lossless(real_pair: S
         '    """Return how many characters of text are vowels (a, e, i, o, u; either case)."""\n```'
     )
     sampling = SamplingParams(max_new_tokens=32)
-    baseline = target_alone(real_pair, prompt, 32)
-    result = generator.generate(prompt, sampling)  # the drafter's own k (2: what users get)
+    ids = real_pair.encode_prompt(prompt).tolist()
+    baseline = plain_greedy(target, ids, 32, real_pair.tokenizer)  # once for both drafters (conftest)
+    result = generator.generate(ids, sampling)  # the drafter's own k (2: what users get)
     assert result.token_ids == baseline
     assert result.stats.proposer == kind
     assert result.stats.mean_acceptance_length > 1.2  # trained: more than the one token a target step gives

@@ -19,8 +19,8 @@ from this request's own evidence and this machine's own measured pass costs:
 - **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
   per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate.
 
-Drafts without evidence (a draft model's, EAGLE's) and a client's prediction
-(:data:`UNGATED_SOURCES`) pass unchanged. Only greedy requests are gated:
+Drafts without evidence (a draft model's, EAGLE's, a client's prediction: sent whole, see
+:mod:`specdecode.proposers.prediction`) pass unchanged. Only greedy requests are gated:
 the gate reads the clock, and a seeded sampled request must draw the same tokens every run (the
 draws it consumes depend on what is drafted). Lossless either way: the gate only shortens a
 deterministic draft, from what earlier steps showed.
@@ -38,15 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdecode.proposers.base import DraftTokens
-
-UNGATED_SOURCES = frozenset({"prediction"})
-"""Evidence sources whose drafts the gate passes unchanged: a client's prediction (Predicted Outputs).
-Measured on the 6 code edits of the bench's ``code_edit`` category (2-core EPYC, 384 new tokens,
-against llama-cpp-python's plain decoding in the same run): the prediction gated ran at 1.05x /
-1.04x (exact, two runs) and 1.12x (``--no-exact``), every draft sent at 1.14x and 1.26x. The gate
-shut after an edit's first rejections and, drafting nothing, learned nothing more; a prediction
-that does not match the answer drafts nothing anyway (the proposer drafts only where the answer
-follows it). lab/notebook/2026-11-27-heldout-gate.md."""
 
 MAX_ROWS = 128
 """Widths (rows computed per pass) whose cost is tracked."""
@@ -212,9 +203,9 @@ class DraftGate:
 
     def trim(self, draft: DraftTokens) -> DraftTokens:
         """The draft cut to the length with the best expected rate (possibly empty); a draft without
-        ``evidence``, or from a source in :data:`UNGATED_SOURCES` (a prediction), unchanged."""
+        ``evidence`` unchanged."""
         self._bucket = None
-        if draft.evidence is None or not len(draft) or draft.evidence[0] in UNGATED_SOURCES:
+        if draft.evidence is None or not len(draft):
             return draft
         source, n = draft.evidence
         bucket = (source, max(1, min(5, int(n))))

@@ -94,9 +94,9 @@ class DraftTokens:
         probs: float32 ``[k, V]`` the distributions q the ids were sampled from, or None for a
             deterministic proposal (treated as one-hot q by the verifier; always None when greedy).
         evidence: for a draft copied from an earlier occurrence of the context's last n tokens
-            (prompt lookup, a prediction), ``(source, n)``, e.g. ``("prompt_lookup", 3)``: what the
-            draft gate (:mod:`specdecode.draft_gate`) estimates its acceptance by; None for other
-            drafts (never gated).
+            (prompt lookup), ``(source, n)``, e.g. ``("prompt_lookup", 3)``: what the draft gate
+            (:mod:`specdecode.draft_gate`) estimates its acceptance by; None for other drafts (never
+            gated; a client's prediction among them).
     """
 
     ids: torch.Tensor

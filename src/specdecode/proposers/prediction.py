@@ -306,7 +306,10 @@ class PredictionProposer(ProposerBase):
             length = min(num_tokens, math.ceil(self.config.max_spec_factor * n - 1e-9), L - start)
             self._drafted_at = start
             self.record.prediction_steps += 1
-            return DraftTokens(self.prediction[start : start + length].clone(), None, ("prediction", n))
+            # no evidence: a client's prediction is sent whole, never shortened by the draft gate (gated, the 6
+            # code edits ran at 1.04-1.05x of llama-cpp-python exact and 1.12x fast; sent whole 1.14x and
+            # 1.26x: lab/notebook/2026-11-27-heldout-gate.md)
+            return DraftTokens(self.prediction[start : start + length].clone())
         self._drafted_at = None
         if self.fallback is None:
             return DraftTokens.empty()
