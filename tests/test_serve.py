@@ -514,3 +514,24 @@ def test_the_k_of_a_request() -> None:
     assert hybrid.k_for("eagle") == 8 and hybrid.k_for("medusa") == 2
     with pytest.raises(ValueError, match="--num-speculative-tokens must be an integer in"):
         ServeSettings(model_name="tiny", num_speculative_tokens=0)
+
+
+def test_a_closed_server_frees_its_models(chat_models, tiny_tokenizer) -> None:
+    """After a server has answered and closed, nothing keeps its models alive once the caller lets
+    go: FastAPI keeps every endpoint it has called in module-level caches, so routes reach the
+    scheduler weakly (``create_app``); before, each closed server held its models for good (the
+    test run kept three GGUF models, ~3.5 GB, past their tests this way)."""
+    import gc
+    import weakref
+
+    target = copy.deepcopy(chat_models[0])
+    gone = weakref.ref(target)
+    with Server(target, tiny_tokenizer, proposer="prompt_lookup", max_batch_size=1) as server:
+        client = server.client()
+        out = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=4, temperature=0)
+        assert out.choices[0].text is not None
+        assert httpx.get(server.url + "/health").status_code == 200
+        client.close()
+    del server, client, target
+    gc.collect()
+    assert gone() is None

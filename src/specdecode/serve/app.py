@@ -32,6 +32,7 @@ import json
 import re
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -187,6 +188,11 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
+    # The app owns the scheduler (and through it the models); the routes reach it weakly: FastAPI
+    # keeps every endpoint it has seen in module-level caches, so a route that held the scheduler
+    # would keep the models of a closed app in memory for the rest of the process.
+    app.state.scheduler = scheduler
+    live = weakref.ref(scheduler)
     metrics = scheduler.metrics
     admission = scheduler.admission  # the checks of every request, once (the scheduler then trusts them)
     app.add_middleware(
@@ -214,8 +220,15 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
 
     v1 = [Depends(check_api_key)]
 
+    def served() -> Scheduler:
+        scheduler = live()
+        if scheduler is None:  # the app is gone: nothing can call a route then
+            raise APIError(503, "the server is shutting down", "server_error")
+        return scheduler
+
     @app.get("/health")
     async def health() -> JSONResponse:
+        scheduler = served()
         alive = scheduler.is_alive
         body = {"status": "ok" if alive else "unavailable", "running": len(scheduler.active)}
         return JSONResponse(body, status_code=200 if alive else 503)
@@ -231,7 +244,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             "object": "model",
             "created": int(time.time()),
             "owned_by": "specdecode",
-            "max_model_len": scheduler.max_length,
+            "max_model_len": served().max_length,
             "proposers": list(admission.proposers),
             "default_proposer": settings.proposer,
             "speculation": settings.speculation,
@@ -356,7 +369,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         ids = encode(text, add_special_tokens=False)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
-            max_tokens = max(1, min(settings.default_max_tokens, scheduler.max_length - len(ids)))
+            max_tokens = max(1, min(settings.default_max_tokens, served().max_length - len(ids)))
         prompt = [m.model_dump(exclude_none=True) for m in body.messages]
         req = prepare(body, ids, max_tokens, "/v1/chat/completions", prompt)
         req.constraint = constraint
@@ -381,6 +394,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
                 raise bad_request("give response_format or a required tool_choice, not both", "response_format")
             constraint = tool_call_constraint(tools)
         if constraint is not None:
+            scheduler = served()
             try:
                 compile_constraint(constraint, ll_tokenizer(tokenizer, scheduler.vocab_size, scheduler.eos))
             except (ConstraintError, ValueError) as error:
@@ -394,6 +408,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         queue: asyncio.Queue[Event] = asyncio.Queue()
         req.on_event = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
         req.deadline = time.monotonic() + settings.request_timeout_s
+        scheduler = served()
         try:
             scheduler.submit(req)
         except InvalidRequestError as error:
