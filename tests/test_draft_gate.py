@@ -154,3 +154,50 @@ def test_the_llamacpp_runner_declares_its_chunk(tiny_target) -> None:
     assert generator.target.capabilities.greedy_stop_rows is None
     generator.generate(PROMPTS[0], SamplingParams(max_new_tokens=4))
     assert generator.pass_costs.chunk is None
+
+
+def replay_gate(gate: DraftGate, answer: list[int], drafts) -> tuple[int, int]:
+    """Decode ``answer`` through ``gate`` as the engine does, one step at a time: at position p the
+    proposer offers ``drafts(p)`` (a 3-token match), the gate trims it, the target accepts the
+    kept tokens that equal the answer and adds one of its own. Returns (drafted tokens sent,
+    steps)."""
+    p = sent = steps = 0
+    while p < len(answer):
+        kept = gate.trim(DraftTokens(torch.tensor(drafts(p), dtype=torch.int64), None, ("prompt_lookup", 3)))
+        ids = kept.ids.tolist()
+        accepted = next((i for i, t in enumerate(ids) if p + i >= len(answer) or t != answer[p + i]), len(ids))
+        tokens = answer[p : p + accepted + 1]
+        gate.observe(len(ids), accepted, tokens)
+        sent, steps, p = sent + len(ids), steps + 1, p + len(tokens)
+    return sent, steps
+
+
+def test_a_shut_gate_learns_from_the_drafts_it_withheld() -> None:
+    """With a pessimistic prior the gate first sends nothing; the drafts it withholds are scored
+    against the tokens decoded next (the shadow check), and when they keep being right it opens;
+    when they keep being wrong it stays shut, and a partly right draft counts its right tokens."""
+    two_core = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)
+    pessimistic = GateConfig(prior_first=(0.1,) * 5, prior_next=0.5)
+    answer = list(range(200))
+    right = DraftGate(two_core, pessimistic)
+    assert len(right.trim(draft(3))) == 0  # shut by the prior
+    right = DraftGate(two_core, pessimistic)
+    sent, steps = replay_gate(right, answer, lambda p: answer[p : p + 8] or [0])
+    assert right.shadow_trials >= 1 and sent > 100 and steps < 100  # it opened and copied
+    assert right.acceptance("prompt_lookup", 3)[0] > 0.8
+
+    wrong = DraftGate(two_core, pessimistic)
+    sent, steps = replay_gate(wrong, answer, lambda p: [999] * 8)
+    assert sent == 0 and steps == 200 and wrong.shadow_trials == 200  # one trial per step, all wrong
+    assert wrong.acceptance("prompt_lookup", 3)[0] < 0.01
+
+    partly = DraftGate(two_core, pessimistic)
+    partly.trim(DraftTokens(torch.tensor([7, 8, 9, 1, 1]), None, ("prompt_lookup", 3)))
+    partly.trim(DraftTokens(torch.tensor([5, 5]), None, ("prompt_lookup", 3)))  # one withheld draft at a time
+    partly.observe(0, 0, [7])
+    partly.observe(0, 0, [8])
+    assert partly.shadow_trials == 0  # still matching
+    partly.observe(2, 0, [9, 4])  # another draft's step decoded 9 (right) then 4 (the draft said 1)
+    assert partly.shadow_trials == 1
+    a1, q = partly.acceptance("prompt_lookup", 3)
+    assert a1 == pytest.approx((0.1 * 2 + 1) / 3) and q == pytest.approx((0.5 * 4 + 2) / (4 + 3))

@@ -72,7 +72,7 @@ def replay(
         draft = propose(torch.tensor(context[: len(prompt) + t]), max(0, min(k, room)))[: max(0, room)]
         n = lcp(draft, answer[t:])
         ms += step_cost(table, len(draft), n, chunk)
-        observe(len(draft), n)
+        observe(len(draft), n, answer[t : t + n + 1])  # the gate scores a withheld draft against these
         t += n + 1
         steps += 1
     return ms, steps
@@ -82,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results")
     parser.add_argument("--table", required=True)
+    parser.add_argument("--questions", help="the questions file of the run (default: its settings' own, if it exists)")
     parser.add_argument("--chunk", type=int, default=3, help="rows per exact-mode chunk (0: one pass, no early stop)")
     parser.add_argument("--k", type=int, default=8, help="the most tokens drafted per step (a prediction: 16)")
     default_tokenizer = Path.home() / ".cache/specdecode/models/Qwen2.5-Coder-1.5B-Instruct-bf16"
@@ -96,7 +97,10 @@ def main() -> None:
     records = [r for r in data["records"] if r["method"] == "target"]
     prompts = {}
     cats = settings.get("categories")
-    for p in load_prompts(None, cats, settings.get("prompts_per_category")):
+    questions = args.questions or settings.get("questions")
+    if questions is not None and not Path(questions).exists():
+        raise SystemExit(f"--questions: the run's questions file {questions} is not here; name it")
+    for p in load_prompts(questions, cats, settings.get("prompts_per_category")):
         prompts[(str(p.question_id), p.group)] = p
     answers = {(str(r["question_id"]), r["group"], r["turn"]): r["token_ids"] for r in records}
 
@@ -104,13 +108,13 @@ def main() -> None:
         out = {}
         for name, low in (("min1", 1), ("min2", 2), ("min3 (default)", 3), ("min4", 4), ("min5", 5)):
             out[name] = (lambda ctx, k, low=low: find_continuation(ctx, k, max(4, low), low, 2.0).tolist(),
-                         lambda d, n: None)
+                         lambda d, n, tokens: None)
         measured = PassCosts()
         for w in range(1, 34):  # the table's exact-mode curve: full passes of w rows
             measured.ms[w] = table.target(w)
         measured.step_ms, measured.chunk = table.step_ms or 0.0, args.chunk
         gates = {}
-        for name, low, high in (("gate", 3, 4), ("gate_max8", 3, 8), ("gate_max16", 3, 16)):
+        for name, low, high in (("gate", 3, 4), ("gate_max8", 3, 8), ("gate_max16", 3, 16), ("max8_noshadow", 3, 8)):
             gate = DraftGate(measured)
             lookup = PromptLookupProposer(PromptLookupConfig(min_ngram=low, max_ngram=high))
             gates[name] = gate
@@ -120,7 +124,10 @@ def main() -> None:
             ) -> list[int]:
                 return gate.trim(lookup.propose(ctx, k, None, None)).ids.tolist()  # type: ignore[arg-type]
 
-            out[name] = (propose, gate.observe)
+            if name.endswith("noshadow"):  # the gate before its shadow check: a withheld draft is never scored
+                out[name] = (propose, lambda d, n, tokens, gate=gate: gate.observe(d, n))
+            else:
+                out[name] = (propose, gate.observe)
         out["_gate"] = gates
         return out
 
@@ -141,11 +148,12 @@ def main() -> None:
                     draft = p.propose(ctx, k, None, None)  # type: ignore[arg-type]
                     return (g.trim(draft) if g is not None else draft).ids.tolist()
 
-                def observe(d: int, n: int, p: PredictionProposer = proposer, g: DraftGate | None = gate) -> None:
+                def observe(d: int, n: int, tokens: list[int], p: PredictionProposer = proposer,
+                            g: DraftGate | None = gate) -> None:  # fmt: skip
                     from specdecode.verify import VerifyResult
 
                     if g is not None:
-                        g.observe(d, n)
+                        g.observe(d, n, tokens)
                     p.observe(VerifyResult(n, torch.zeros(n + 1, dtype=torch.int64)))  # tokens unused but counted
 
                 out[f"pred_f{factor:g}{'_gate' if gated else ''}"] = (propose, observe)

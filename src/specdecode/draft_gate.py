@@ -17,7 +17,13 @@ from this request's own evidence and this machine's own measured pass costs:
   verifies in chunks and stops after the first chunk whose argmax disagrees), the expected cost
   counts only the chunks expected to run (the runner declares its chunk: ``greedy_stop_rows``);
 - **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
-  per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate.
+  per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate;
+- **shadow check**: a draft the gate kept back entirely is still scored, free, against the tokens
+  the target then decodes (greedy decoding is deterministic, so the tokens it emits are exactly
+  what verifying the draft would have accepted): one withheld draft at a time, counted as a trial
+  of its match length like a verified one. Without it a gate that shut learned nothing more and
+  stayed shut (live on HumanEval/0 on the 2-core EPYC: 64 drafted tokens, then none;
+  lab/notebook/2026-11-27-heldout-gate.md).
 
 Drafts without evidence (a draft model's, EAGLE's, a client's prediction: sent whole, see
 :mod:`specdecode.proposers.prediction`) pass unchanged. Only greedy requests are gated:
@@ -35,6 +41,7 @@ n-grams up to 8 at 0.99-1.21x (1.03x -> 1.06x overall); on the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.proposers.base import DraftTokens
@@ -158,6 +165,7 @@ class DraftGate:
 
     Attributes:
         gated_tokens: drafted tokens this request's gate kept from the target.
+        shadow_trials: withheld drafts scored against the tokens decoded after them.
     """
 
     def __init__(self, costs: PassCosts, config: GateConfig | None = None) -> None:
@@ -167,13 +175,23 @@ class DraftGate:
         self._first: dict[tuple[str, int], list[float]] = {}
         self._next = [c.prior_next * c.prior_next_weight, c.prior_next_weight]
         self._bucket: tuple[str, int] | None = None
+        self._shadow: tuple[tuple[str, int], list[int]] | None = None  # a withheld draft, its bucket
+        self._shadow_matched = 0  # its tokens the target has decoded so far
         self.gated_tokens = 0
+        self.shadow_trials = 0
 
     def _estimate(self, bucket: tuple[str, int]) -> list[float]:
         c = self.config
         if bucket not in self._first:
             self._first[bucket] = [c.prior_first[bucket[1] - 1] * c.prior_weight, c.prior_weight]
         return self._first[bucket]
+
+    def acceptance(self, source: str, n: int) -> tuple[float, float]:
+        """(a1, q) as this request's evidence stands: the probability that a draft of ``source``
+        after an ``n``-token match (5 standing for 5 or more) has its first token accepted, and that
+        a drafted token after an accepted one is."""
+        successes, trials = self._estimate((source, max(1, min(5, int(n)))))
+        return successes / trials, self._next[0] / self._next[1]
 
     def expected(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
         """(expected tokens, expected ms) of a step drafting d tokens whose first is accepted with
@@ -212,8 +230,7 @@ class DraftGate:
         plain = self.expected(0.0, 0.0, 0)
         if plain is None:  # no one-token pass measured yet: draft as proposed
             return draft
-        successes, trials = self._estimate(bucket)
-        a1, q = successes / trials, self._next[0] / self._next[1]
+        a1, q = self.acceptance(source, n)
         best_d, best = 0, (1 + self.config.margin) * plain[0] / plain[1]
         for d in range(1, len(draft) + 1):
             found = self.expected(a1, q, d)
@@ -221,18 +238,36 @@ class DraftGate:
                 best_d, best = d, found[0] / found[1]
         self.gated_tokens += len(draft) - best_d
         if best_d == 0:
+            if self._shadow is None:  # score it against the tokens decoded next (:meth:`observe`)
+                self._shadow, self._shadow_matched = (bucket, [int(t) for t in draft.ids.tolist()]), 0
             return DraftTokens.empty()
         self._bucket = bucket
         return draft if best_d == len(draft) else DraftTokens(draft.ids[:best_d], None, draft.evidence)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """After verification of a gated draft: ``accepted`` of ``drafted`` tokens kept."""
-        if self._bucket is None or drafted == 0:
-            return
-        first = self._first[self._bucket]
+    def observe(self, drafted: int, accepted: int, tokens: Sequence[int] = ()) -> None:
+        """After a step: ``accepted`` of the ``drafted`` tokens the gate sent were kept, and the step
+        decoded ``tokens`` (the accepted ones and the target's own, in order), which also score a
+        withheld draft (the module docstring's shadow check)."""
+        if self._bucket is not None and drafted > 0:
+            self._count(self._bucket, drafted, accepted)
+        self._bucket = None
+        for token in tokens:
+            if self._shadow is None:
+                break
+            bucket, ids = self._shadow
+            if token == ids[self._shadow_matched]:
+                self._shadow_matched += 1
+                if self._shadow_matched < len(ids):
+                    continue
+            self._count(bucket, len(ids), self._shadow_matched)
+            self._shadow = None
+            self.shadow_trials += 1
+
+    def _count(self, bucket: tuple[str, int], drafted: int, accepted: int) -> None:
+        """One trial of a draft from ``bucket``: ``accepted`` of its ``drafted`` tokens right."""
+        first = self._estimate(bucket)
         first[0] += accepted > 0
         first[1] += 1
         if accepted > 0 and drafted > 1:
             self._next[0] += accepted - 1
             self._next[1] += min(accepted, drafted - 1)  # later positions tried: up to the first rejection
-        self._bucket = None

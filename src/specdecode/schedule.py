@@ -71,6 +71,7 @@ the same. Use ``heuristic`` or ``constant`` when sampled runs must be reproducib
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -335,14 +336,16 @@ class SpeculationSchedule:
         *,
         draft_time_s: float | None = None,
         target_time_s: float | None = None,
+        tokens: Sequence[int] = (),
     ) -> None:
         """Record one step: ``num_drafted`` tokens proposed, ``num_accepted`` kept (the step produced
         ``num_accepted + 1`` tokens), ``step_time_s`` seconds of wall time for proposing and
         verifying, of which ``draft_time_s`` proposing and ``target_time_s`` the target pass and
         verification (adaptive only; ``target_time_s`` None: the rest of the step; both None: see
-        the module docstring)."""
+        the module docstring); ``tokens``: what the step decoded (the draft gate scores a draft it
+        withheld against them)."""
         if self.gate is not None:
-            self.gate.observe(num_drafted, num_accepted)
+            self.gate.observe(num_drafted, num_accepted, tokens)
         if self.config.kind == "adaptive":
             self._update_adaptive(num_drafted, num_accepted, step_time_s, draft_time_s, target_time_s)
             return
