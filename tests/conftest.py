@@ -315,6 +315,49 @@ def real_pair(real_bf16_pair: Any) -> Any:
     return SpeculativeGenerator.from_loaded(real_bf16_pair)
 
 
+REAL_MODEL_FILES = frozenset({
+    "test_contract.py", "test_exact_bf16.py", "test_llamacpp.py", "test_llamacpp_gpu_rules.py",
+    "test_llamacpp_proposers.py", "test_llamacpp_tree.py", "test_logprobs_llamacpp.py", "test_readme_tour.py",
+    "test_real_models.py", "test_serve_llamacpp.py", "test_structured_llamacpp.py",
+})  # fmt: skip
+"""The test files that load the real default models (tests/test_suite_layout.py checks the list)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``scripts/test.sh`` runs two workers), every test of
+    :data:`REAL_MODEL_FILES` runs in one worker, in collection order, and it starts first (the
+    longest unit of work); every other test is a unit of its own, spread over the workers. So two
+    workers never hold the real models at once (memory) nor run two llama.cpp thread pools on the
+    same cores, while the tiny models' tests, single-threaded, fill the other core. (A scheduler of
+    our own rather than ``--dist loadgroup``: pytest 9.2 drops xdist's group suffix, pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealModelsInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "real_models" if Path(path).name in REAL_MODEL_FILES else nodeid
+
+    return RealModelsInOneWorker(config, log)
+
+
+_WORKER_PRIORITY_SET = False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist, the worker whose first test is not a real-model test (the one that runs
+    the tiny models' tests: :func:`pytest_xdist_make_scheduler` gives the real models' tests to the
+    other, first) lowers its CPU priority (``nice`` 10) for the rest of the run: on 2 cores the
+    real models' llama.cpp thread pool then keeps both cores when it computes, and the tiny tests
+    take the time it leaves (a contended thread pool waits at every barrier)."""
+    global _WORKER_PRIORITY_SET
+    if _WORKER_PRIORITY_SET or "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    _WORKER_PRIORITY_SET = True
+    if item.path.name not in REAL_MODEL_FILES:
+        os.nice(10)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests of the real torch pair (``real_bf16_pair``, the largest models in memory) run last,
     in their order; every other test keeps its place."""

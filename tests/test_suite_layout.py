@@ -1,0 +1,25 @@
+"""The test run's own layout: every test file that loads the real default models is one that
+``scripts/test.sh``'s workers keep together (``conftest.REAL_MODEL_FILES``), so a new one cannot end up
+running beside another in the second worker (two sets of models in memory, two llama.cpp thread
+pools on two cores)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from conftest import REAL_MODEL_FILES
+
+TESTS = Path(__file__).resolve().parent
+LOADS_REAL_MODELS = re.compile(
+    r"load_default_gguf|real_pair|real_bf16_pair|require_default_gguf|require_default_pair|from_pretrained\(\)"
+)
+
+
+def test_every_file_that_loads_the_real_models_runs_in_the_real_models_worker() -> None:
+    loading = {p.name for p in TESTS.glob("test_*.py") if LOADS_REAL_MODELS.search(p.read_text(encoding="utf-8"))}
+    loading.discard(Path(__file__).name)
+    assert loading, "no test file loads the real models: the pattern is stale"
+    assert loading <= REAL_MODEL_FILES, f"add to conftest.REAL_MODEL_FILES: {sorted(loading - REAL_MODEL_FILES)}"
+    missing = {name for name in REAL_MODEL_FILES if not (TESTS / name).exists()}
+    assert not missing, f"conftest.REAL_MODEL_FILES names files that are gone: {sorted(missing)}"
