@@ -1,19 +1,36 @@
-"""Per-test log: nodeid, wall seconds (setup+call+teardown), own RSS now, own peak, children's peak (GB)."""
-import os, resource, time, json
-_T = {}
-_OUT = open(os.environ.get("RSSLOG", "/tmp/prof/rss.jsonl"), "a", buffering=1)
-def _status():
-    d = {}
-    with open("/proc/self/status") as f:
-        for line in f:
+"""Per-test log for pytest (``-p rssplug`` with this folder on PYTHONPATH): one JSON line per test with
+its id, wall seconds (set-up, call and teardown), the process's RSS and peak RSS after it (VmRSS,
+VmHWM) and the largest child's peak, in GB. Output: ``$RSSLOG`` (default /tmp/prof/rss.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+_STARTED: dict[str, float] = {}
+_OUT = open(os.environ.get("RSSLOG", "/tmp/prof/rss.jsonl"), "a", buffering=1)  # noqa: SIM115 (open for the run)
+
+
+def _status() -> dict[str, float]:
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
             if line.startswith(("VmRSS", "VmHWM")):
-                k, v = line.split(":")
-                d[k] = int(v.split()[0]) / 1e6
-    return d
-def pytest_runtest_logstart(nodeid, location):
-    _T[nodeid] = time.perf_counter()
-def pytest_runtest_logfinish(nodeid, location):
-    s = _status()
-    ch = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
-    _OUT.write(json.dumps({"id": nodeid, "s": round(time.perf_counter() - _T.pop(nodeid, time.perf_counter()), 2),
-                           "rss": round(s.get("VmRSS", 0), 2), "hwm": round(s.get("VmHWM", 0), 2), "child": round(ch, 2)}) + "\n")
+                key, value = line.split(":")
+                found[key] = int(value.split()[0]) / 1e6
+    return found
+
+
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    _STARTED[nodeid] = time.perf_counter()
+
+
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    status = _status()
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+    seconds = time.perf_counter() - _STARTED.pop(nodeid, time.perf_counter())
+    row = {"id": nodeid, "s": round(seconds, 2), "rss": round(status.get("VmRSS", 0), 2),
+           "hwm": round(status.get("VmHWM", 0), 2), "child": round(child, 2)}  # fmt: skip
+    _OUT.write(json.dumps(row) + "\n")
