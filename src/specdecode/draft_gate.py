@@ -44,6 +44,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from specdecode.proposers.base import DraftTokens
 
 MAX_ROWS = 128
@@ -156,6 +158,11 @@ class PassCosts:
         return (1 - t) * self.ms[below] + t * self.ms[above]
 
 
+def _bucket(source: str, n: int) -> tuple[str, int]:
+    """The estimate a draft of ``source`` after an ``n``-token match counts in (5: 5 or more)."""
+    return source, max(1, min(5, int(n)))
+
+
 class DraftGate:
     """The gate of one greedy request (see the module docstring).
 
@@ -190,7 +197,7 @@ class DraftGate:
         """(a1, q) as this request's evidence stands: the probability that a draft of ``source``
         after an ``n``-token match (5 standing for 5 or more) has its first token accepted, and that
         a drafted token after an accepted one is."""
-        successes, trials = self._estimate((source, max(1, min(5, int(n)))))
+        successes, trials = self._estimate(_bucket(source, n))
         return successes / trials, self._next[0] / self._next[1]
 
     def expected(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
@@ -226,7 +233,7 @@ class DraftGate:
         if draft.evidence is None or not len(draft):
             return draft
         source, n = draft.evidence
-        bucket = (source, max(1, min(5, int(n))))
+        bucket = _bucket(source, n)
         plain = self.expected(0.0, 0.0, 0)
         if plain is None:  # no one-token pass measured yet: draft as proposed
             return draft
@@ -244,14 +251,17 @@ class DraftGate:
         self._bucket = bucket
         return draft if best_d == len(draft) else DraftTokens(draft.ids[:best_d], None, draft.evidence)
 
-    def observe(self, drafted: int, accepted: int, tokens: Sequence[int] = ()) -> None:
+    def observe(self, drafted: int, accepted: int, tokens: torch.Tensor | Sequence[int] = ()) -> None:
         """After a step: ``accepted`` of the ``drafted`` tokens the gate sent were kept, and the step
-        decoded ``tokens`` (the accepted ones and the target's own, in order), which also score a
-        withheld draft (the module docstring's shadow check)."""
+        decoded ``tokens`` (int64 ``[accepted + 1]`` or a list: the accepted ones and the target's
+        own, in order), which also score a withheld draft (the module docstring's shadow check; read
+        only while one is pending)."""
         if self._bucket is not None and drafted > 0:
             self._count(self._bucket, drafted, accepted)
         self._bucket = None
-        for token in tokens:
+        if self._shadow is None:
+            return
+        for token in tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens:
             if self._shadow is None:
                 break
             bucket, ids = self._shadow

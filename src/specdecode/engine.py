@@ -381,7 +381,7 @@ class SpeculativeGenerator:
             step_s = clock() - tic
             self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), seconds, step_s)  # what passes cost here
             if proposer is not None:
-                schedule.update(len(draft), n, step_s, draft_time_s=toc - tic, tokens=result.tokens.tolist())
+                schedule.update(len(draft), n, step_s, draft_time_s=toc - tic, tokens=result.tokens)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks
             stats.gated_draft_tokens = schedule.gated_tokens
             yield state.append(result.tokens, logits)  # 5. (rows 0 .. n score the n + 1 tokens)

@@ -73,11 +73,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.limits import MAX_SPECULATIVE_TOKENS, check_num_speculative_tokens
 from specdecode.proposers.base import DraftTokens
+
+if TYPE_CHECKING:
+    import torch
 
 ScheduleKind = Literal["constant", "heuristic", "adaptive", "ungated"]
 SCHEDULES: tuple[str, ...] = ("constant", "heuristic", "adaptive", "ungated")
@@ -336,7 +339,7 @@ class SpeculationSchedule:
         *,
         draft_time_s: float | None = None,
         target_time_s: float | None = None,
-        tokens: Sequence[int] = (),
+        tokens: torch.Tensor | Sequence[int] = (),
     ) -> None:
         """Record one step: ``num_drafted`` tokens proposed, ``num_accepted`` kept (the step produced
         ``num_accepted + 1`` tokens), ``step_time_s`` seconds of wall time for proposing and

@@ -222,8 +222,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
 
     def served() -> Scheduler:
         scheduler = live()
-        if scheduler is None:  # the app is gone: nothing can call a route then
-            raise APIError(503, "the server is shutting down", "server_error")
+        assert scheduler is not None  # app.state holds it while the app can be called
         return scheduler
 
     @app.get("/health")
