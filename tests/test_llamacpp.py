@@ -76,6 +76,44 @@ def test_truncate_then_decode_equals_the_same_passes_without_rollback(target) ->
         a.truncate(24)
 
 
+def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(target) -> None:
+    """``restart`` (prompt reuse, specdecode.models.first_pass): the same prompt again returns the
+    first pass's rows with no pass, and every pass after it equals a fresh sequence's bit for bit
+    (the cells it kept are that pass's own); other arguments, a rollback below the prompt, a tree
+    pass's nodes or ``reset`` make it run a pass, or drop what they must."""
+    runner, fresh = target.make_runner(n_ctx=256), target.make_runner(n_ctx=256)
+    prompt = IDS[:20]
+    first = runner.restart(prompt)
+    assert not runner.reused_prompt and runner.passes == 1
+    runner.forward(IDS[20:26], num_logits=6)  # a verification pass, then a token
+    runner.forward(IDS[26:27])
+    passes = runner.passes
+    again = runner.restart(prompt)
+    assert runner.reused_prompt and runner.passes == passes and runner.length == 20
+    assert torch.equal(again, first) and again.data_ptr() != first.data_ptr()
+    fresh.forward(prompt)
+    assert torch.equal(runner.forward(IDS[40:44], num_logits=4), fresh.forward(IDS[40:44], num_logits=4))
+    assert torch.equal(runner.forward(IDS[44:45]), fresh.forward(IDS[44:45]))
+    # a tree pass's nodes after the prompt are dropped with the rest
+    attend = torch.ones(2, runner.length + 2, dtype=torch.bool)
+    attend[0, -1] = False
+    runner.forward_masked(IDS[50:52], torch.tensor([runner.length, runner.length + 1]), attend)
+    assert torch.equal(runner.restart(prompt), first) and runner.reused_prompt and runner.length == 20
+    fresh.truncate(20)
+    assert torch.equal(runner.forward(IDS[40:44], num_logits=4), fresh.forward(IDS[40:44], num_logits=4))
+    # other arguments, another prompt: a pass runs (and is kept in turn)
+    for ids, n, hidden in [(prompt, 2, False), (IDS[:19], 1, False), (prompt, 1, True)]:
+        runner.restart(ids, num_logits=n, return_hidden=hidden)
+        assert not runner.reused_prompt
+    logits, features = runner.restart(prompt, return_hidden=True)
+    assert runner.reused_prompt and features.shape == (20, target.hidden_size)
+    runner.truncate(19)  # its cells are gone
+    runner.restart(prompt, return_hidden=True)
+    assert not runner.reused_prompt
+    runner.reset()
+    assert torch.equal(runner.restart(prompt), first) and not runner.reused_prompt
+
+
 @pytest.mark.parametrize("cached", [20, 300, 600])
 def test_passes_up_to_invariant_tokens_are_bit_identical_to_one_token_passes(target, cached) -> None:
     """The property exact mode rests on, on this build and this CPU, and the split above it; after
@@ -259,6 +297,25 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
     p_values = first_two_tokens_p_values(pairs, p1, p2)
     assert check_all(p_values, P_MIN), p_values
     assert 0.1 * SAMPLED_RUNS < accepted < 0.975 * SAMPLED_RUNS  # drafts both accepted and rejected
+
+
+def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> None:
+    """Prompt reuse through the engine: a request whose prompt is the previous one's skips the
+    prefill (``stats.prefill_reused``) and gives the tokens a generator that runs every prefill
+    (``reuse_prompt = False``) gives, greedy and sampled with a seed."""
+    prompt = tokenizer.encode("def fibonacci(n):")
+    reusing = SpeculativeGenerator(target, draft=draft)
+    fresh = SpeculativeGenerator(target, draft=draft)
+    fresh.reuse_prompt = False
+    runs = [SamplingParams(max_new_tokens=12), SamplingParams(temperature=1.0, seed=3, max_new_tokens=12)]
+    reusing.generate(prompt, runs[0], num_speculative_tokens=3)
+    for sampling in runs:
+        again = reusing.generate(prompt, sampling, num_speculative_tokens=3)
+        alone = fresh.generate(prompt, sampling, num_speculative_tokens=3)
+        assert again.stats.prefill_reused and not alone.stats.prefill_reused
+        assert again.token_ids == alone.token_ids
+    other = reusing.generate(prompt[:-1], runs[0], num_speculative_tokens=3)
+    assert not other.stats.prefill_reused
 
 
 def test_hidden_states_are_what_the_lm_head_turns_into_the_logits(target) -> None:

@@ -267,6 +267,7 @@ def calibrate_early_exit(
     early_exit_view(target, layers[0])  # an unsupported layout fails before any decoding
     say = progress or (lambda line: None)
     baseline = SpeculativeGenerator(target, tokenizer=tokenizer)
+    baseline.reuse_prompt = False  # timed: every prefill runs
     ids = [baseline.encode_prompt(p).tolist() for p in (prompts if prompts is not None else load_prompts())]
     if not ids:
         raise ValueError("prompts must hold at least one prompt")
@@ -280,6 +281,7 @@ def calibrate_early_exit(
     for layer in layers:
         proposer = EarlyExitProposer(target, EarlyExitConfig(exit_layer=layer))
         generator = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=proposer)
+        generator.reuse_prompt = False
         generator.generate(ids[0], warm, num_speculative_tokens=k)
         totals, outputs = _run(generator, ids, sampling, k, speculative=True)
         same = sum(a == b for a, b in zip(outputs, base_out, strict=True))

@@ -175,6 +175,12 @@ class SpeculativeGenerator:
         tokenizer: the target's tokenizer; needed for string prompts, text and stop strings.
         proposer: any :class:`~specdecode.proposers.base.Proposer` (instead of ``draft``).
 
+    Attributes:
+        reuse_prompt: a generation whose prompt is the previous generation's skips the target's
+            prefill where its runner keeps it (``capabilities.prompt_reuse``: llama.cpp; exact bit for
+            bit, :mod:`specdecode.models.first_pass`; ``stats.prefill_reused`` says so); default
+            True. The bench and the cost measurements set it False: they time whole generations.
+
     Raises:
         IncompatibleModelsError: the draft's vocabulary size differs from the target's.
         ValueError: both ``draft`` and ``proposer`` were given.
@@ -197,6 +203,7 @@ class SpeculativeGenerator:
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.grammar_aware_drafting = True  # under a constraint: see ConstraintState (False: masks only)
         self.pass_costs = PassCosts()  # what the target's passes cost on this machine: the draft gate reads them
+        self.reuse_prompt = True
         if draft is not None:
             proposer = DraftModelProposer(draft)
         if proposer is not None:  # every way of building a generator comes here: the checks always run
@@ -330,15 +337,18 @@ class SpeculativeGenerator:
         return torch.tensor(ids, dtype=torch.int64)
 
     # ------------------------------------------------------------------ the loop
-    def _rows_forward(self, features: bool) -> RowsForward:
+    def _rows_forward(self, features: bool, restart: bool) -> RowsForward:
         """The target's runner as :func:`~specdecode.loop_steps.prefill` and
-        :func:`~specdecode.loop_steps.score` take it: a batch of one row (features when ``features``)."""
+        :func:`~specdecode.loop_steps.score` take it: a batch of one row (features when ``features``;
+        the prefill through the runner's ``restart`` when ``restart``: prompt reuse)."""
         target = self.target
 
         def forward(
             inputs: list[torch.Tensor], num_logits: list[int], hints: list[torch.Tensor | None] | None
         ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-            if hints is None:  # the prefill
+            if hints is None and restart:  # the prefill, answered from the previous one if the prompt is the same
+                out = target.restart(inputs[0], num_logits=num_logits[0], return_hidden=features)  # type: ignore[attr-defined]
+            elif hints is None:  # the prefill
                 out = target.forward(inputs[0], num_logits=num_logits[0], return_hidden=features)
             else:
                 out = target.forward(inputs[0], num_logits[0], return_hidden=features, greedy_draft=hints[0])
@@ -352,13 +362,16 @@ class SpeculativeGenerator:
     ) -> Iterator[tuple[list[int], str]]:
         """Run ``state`` to its end; yield each target pass's ``(new token ids, new text)``."""
         target, proposer, stats = self.target, state.proposer, state.stats
-        target.reset()
+        restart = self.reuse_prompt and target.capabilities.prompt_reuse
+        if not restart:
+            target.reset()
         if proposer is not None:
             proposer.reset()
-        forward = self._rows_forward(needs_features(proposer))
+        forward = self._rows_forward(needs_features(proposer), restart)
         clock = device_clock(target.device)  # synchronized off the CPU: each side is charged its own work
 
         (result,), (logits,) = loop_steps.prefill([state], forward, clock)  # (1, V); the first token
+        stats.prefill_reused = restart and target.reused_prompt  # type: ignore[attr-defined]
         chain = proposer is not None and tree is None  # the widths of the passes to come: 1 + drafted,
         target.prepare_widths(range(1, schedule.k + 2) if chain else (1,))  # up to the starting k; CUDA graphs
         yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked

@@ -35,12 +35,14 @@ class SpecStats:
         accepted_tokens: proposed tokens the verifier kept.
         accepted_per_position: length k; entry i counts steps whose draft token i was accepted.
         drafted_per_position: length k; entry i counts steps that proposed a token at position i.
-        target_forward_passes: target forward calls, the prefill included.
+        target_forward_passes: target forward calls, the prefill included (a reused one too).
         new_tokens: tokens returned to the caller.
         prompt_tokens: tokens of the prompt after templating.
         wall_time_s: seconds from the start of ``generate`` to its last token.
         time_to_first_token_s: seconds until the first new token was known.
         prefill_time_s: seconds in the target's prefill pass.
+        prefill_reused: the prompt was the previous generation's and the target's runner answered
+            its prefill from the one it kept, with no pass (``SpeculativeGenerator.reuse_prompt``).
         draft_time_s: seconds in ``proposer.propose`` (all steps).
         target_time_s: seconds in the target's verification passes (prefill excluded).
         forced_draft_tokens: under a constraint, tokens the grammar forced that were drafted for
@@ -87,6 +89,7 @@ class SpecStats:
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
     prefill_time_s: float = 0.0
+    prefill_reused: bool = False
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     forced_draft_tokens: int = 0
@@ -169,6 +172,7 @@ class SpecStats:
             "wall_time_s": self.wall_time_s,
             "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_time_s": self.prefill_time_s,
+            "prefill_reused": self.prefill_reused,
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
             "draft_cost_ratio": self.draft_cost_ratio,

@@ -55,6 +55,13 @@ from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
 
 
+def timed(generator: SpeculativeGenerator) -> SpeculativeGenerator:
+    """``generator`` set to run every prefill (``reuse_prompt`` off): a repeated prompt (the warm-up's,
+    a repeat's) is timed in full, as the peers' (llama-cpp-python from ``reset()``)."""
+    generator.reuse_prompt = False
+    return generator
+
+
 @dataclass(frozen=True)
 class BenchSettings:
     """Decoding settings shared by every method of one run.
@@ -131,7 +138,7 @@ class BenchModels:
                 if factory is None:
                     raise ValueError(f"{method!r} is not a proposer method")
             made = factory(self) if factory is not None else None
-            self._generators[key] = SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made)
+            self._generators[key] = timed(SpeculativeGenerator(self.target, tokenizer=self.tokenizer, proposer=made))
         return self._generators[key]
 
     def proposer_bytes(self, generator: SpeculativeGenerator) -> int:
@@ -197,7 +204,7 @@ class BenchModels:
                 self._targets[dtype] = self.generator(None)
             else:
                 model = load_model(self.target.config._name_or_path, "target", dtype, **self._placement())
-                self._targets[dtype] = SpeculativeGenerator(model, tokenizer=self.tokenizer)
+                self._targets[dtype] = timed(SpeculativeGenerator(model, tokenizer=self.tokenizer))
         return self._targets[dtype]
 
     def llama(self, num_pred_tokens: int | None = None) -> Any:

@@ -183,6 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **({} if args.no_speculation else given_proposer_options(args)),
     )
     generator = SpeculativeGenerator.from_loaded(load_models(plan))
+    generator.reuse_prompt = not args.compare  # --compare times the target alone on the same prompt: in full
     call = dict(sampling=sampling, raw=args.raw, schedule=args.schedule, constraint=constraint)
     speculative = not args.no_speculation
     stream = generator.stream_request(args.prompt, request, speculative=speculative, **call)

@@ -138,6 +138,7 @@ def fit_step_ms(model: Any, table: dict[str, Any], settings: CostSettings) -> di
     priced = parse_cost_table(table)
     generator = SpeculativeGenerator(model)
     generator.eos_token_ids = frozenset()  # decode every token asked for
+    generator.reuse_prompt = False  # every run's prefill is priced from the table: it must run
     g = torch.Generator().manual_seed(settings.seed + 2)
     prompt = torch.randint(0, generator.target.vocab_size, (settings.prefill,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=settings.step_tokens)

@@ -68,6 +68,10 @@ class RunnerCapabilities:
             stops after the first chunk whose argmax disagrees with the draft (llama.cpp's exact
             mode: its invariant chunk); None: every row is computed. For the draft gate's price of a
             draft (:mod:`specdecode.draft_gate`): a wrong draft then costs its chunk, not the pass.
+        prompt_reuse: the runner has ``restart(input_ids, num_logits=1, return_hidden=False)``: a
+            new sequence's first pass, answered without a pass when the previous sequence's first
+            pass had the same arguments and the cache still holds its entries (exact bit for bit:
+            :mod:`specdecode.models.first_pass`); its ``reused_prompt`` then says whether it was.
     """
 
     backend: str
@@ -78,6 +82,7 @@ class RunnerCapabilities:
     batch_invariant: bool = False
     greedy_hints: bool = False
     greedy_stop_rows: int | None = None
+    prompt_reuse: bool = False
 
     def require(self, capability: str, runner: object, need: str) -> None:
         """Raise :class:`CapabilityError` unless ``capability`` (a field name) is True.

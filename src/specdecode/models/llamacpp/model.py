@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from specdecode.models.contract import RunnerCapabilities
+from specdecode.models.first_pass import FirstPass
 from specdecode.sampling import argmax_ids
 
 if TYPE_CHECKING:
@@ -355,9 +356,10 @@ class LlamaCppRunner:
 
     head_ids = None  # the full vocabulary (capabilities.reduced_head is False)
 
-    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=True, trees=True)
+    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=True, trees=True, prompt_reuse=True)
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
-    features (embeddings) and trees (walked depth-first); no reduced head, no torch insides (a
+    features (embeddings), trees (walked depth-first) and prompt reuse (:meth:`restart`); no reduced
+    head, no torch insides (a
     drafter reads the LM head and embeddings from the GGUF file). An instance's ``batch_invariant``
     and ``greedy_hints`` are its model's ``exact`` option (:attr:`LlamaCppModel.capabilities`)."""
 
@@ -375,6 +377,8 @@ class LlamaCppRunner:
         self.passes = 0  # llama_decode calls made (a split verification pass counts each chunk)
         self._tree: TreeCache | None = None  # a token tree's nodes after the cached sequence (forward_masked)
         self._embeddings = False  # a tree pass wants hidden states
+        self._first: FirstPass | None = None  # the sequence's first pass while its cells hold it
+        self.reused_prompt = False  # the last restart answered from the kept first pass
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -398,10 +402,38 @@ class LlamaCppRunner:
         """Nothing to prepare (the runner contract's hook for runners that capture CUDA graphs)."""
 
     def reset(self) -> None:
-        """Forget the whole sequence."""
+        """Forget the whole sequence (its first pass included: :meth:`restart` runs it again)."""
         self._lib.llama_memory_clear(self._memory, True)
         self.length = 0
         self._tree = None
+        self._first = None
+
+    def restart(
+        self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A new sequence's first pass over ``input_ids``: :meth:`reset` then :meth:`forward`, or,
+        when the current sequence began with a first pass of these arguments and its cells are
+        still there, those cells kept (the rest dropped, ``llama_memory_seq_rm``) and that pass's
+        rows returned again, with no pass run (:mod:`specdecode.models.first_pass`: exact bit for
+        bit). :attr:`reused_prompt` says which.
+
+        Args and returns: those of :meth:`forward` (int64 ``[T]``; float32 ``[num_logits, V]``, with
+        ``return_hidden`` also ``[T, H]``).
+
+        Raises:
+            ValueError, RuntimeError: as :meth:`forward`.
+        """
+        ids = [int(i) for i in input_ids.reshape(-1).tolist()]
+        kept = self._first.answer(ids, num_logits, return_hidden) if self._first is not None else None
+        if kept is None:
+            self.reset()
+            self.reused_prompt = False
+            return self.forward(input_ids, num_logits, return_hidden)
+        self._tree = None  # a tree's nodes, if any, come after the kept cells: dropped with the rest
+        self._cut(len(ids))
+        self.length = len(ids)
+        self.reused_prompt = True
+        return kept
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (rollback). After a tree pass
@@ -419,6 +451,8 @@ class LlamaCppRunner:
             if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):  # pragma: no cover
                 raise RuntimeError(f"llama.cpp could not truncate the cache to {length} tokens")
             self.length = length
+            if self._first is not None and length < self._first.length:
+                self._first = None  # its cells are gone
 
     def forward(
         self,
@@ -460,6 +494,7 @@ class LlamaCppRunner:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
         if self.length + T > self._n_ctx:
             raise ValueError(f"sequence of {self.length + T} tokens exceeds the context of {self._n_ctx} tokens")
+        first = self.length == 0  # a sequence's first pass: kept for restart
         options = self.model.options
         chunk = options.n_batch
         if options.exact and num_logits > 1:  # a verification pass: batch-invariant chunks
@@ -485,7 +520,10 @@ class LlamaCppRunner:
             if return_hidden:
                 self._lib.llama_set_embeddings(self._ctx, False)
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
-        return (logits, torch.cat(hidden)) if return_hidden else logits
+        out = (logits, torch.cat(hidden)) if return_hidden else logits
+        if first and greedy_draft is None:
+            self._first = FirstPass.keep(ids, num_logits, out)
+        return out
 
     def _decode(
         self, ids: list[int], scored: list[bool], hidden: list[torch.Tensor] | None = None, start: int | None = None
@@ -644,6 +682,8 @@ class LlamaCppRunner:
             return
         self.length = self._tree.settle(keep_list)
         self._tree = None
+        if self._first is not None and self.length < self._first.length:  # pragma: no cover - a tree follows the cache
+            self._first = None
 
     def __del__(self) -> None:
         free_context(self)
