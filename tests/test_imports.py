@@ -179,3 +179,26 @@ def test_importing_the_package_loads_neither_torch_nor_the_engine() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]", f"imported eagerly: {out[0]}"
     assert out[1] == "True", "an exported name does not resolve to the class of that name"
+
+
+MODEL_CODE = ("transformers.modeling_utils", "transformers.cache_utils", "transformers.masking_utils")
+"""transformers' model code: ~3 s of a command's start-up on 2 cores, which the llama.cpp backend never runs."""
+
+
+def test_the_llamacpp_path_imports_no_transformers_model_code() -> None:
+    """The command line's parser, the engine, the proposers' registry, the loader, the server, the
+    bench and the llama.cpp backend import none of :data:`MODEL_CODE` (the default backend reads only
+    a tokenizer from transformers); the torch backend imports it when it loads a model."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from specdecode.commands.main import build_parser\n"
+        "build_parser()\n"
+        "import specdecode.engine, specdecode.proposers, specdecode.load, specdecode.models.llamacpp.model\n"
+        "import specdecode.serve.server, specdecode.bench.methods, specdecode.cost.measure\n"
+        f"print(sorted(m for m in {MODEL_CODE!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]", f"imported on the llama.cpp path: {out[0]}"

@@ -25,10 +25,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode import loop_steps
 from specdecode.constraints.spec import Constraint
@@ -50,6 +49,9 @@ from specdecode.schedule import ScheduleConfig, SpeculationSchedule
 from specdecode.stats import SpecStats
 from specdecode.tree import TreeSpec, parse_tree, tree_attention
 from specdecode.verify import VerifyResult, verify_tree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass

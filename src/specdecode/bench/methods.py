@@ -40,10 +40,9 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.engine import SpeculativeGenerator
 from specdecode.limits import K_RANGE, is_num_speculative_tokens
@@ -53,6 +52,9 @@ from specdecode.proposers.prediction import PREDICTION_DEFAULT_K
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specdecode.sampling import SamplingParams
 from specdecode.stats import SpecStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def timed(generator: SpeculativeGenerator) -> SpeculativeGenerator:

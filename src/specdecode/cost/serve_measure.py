@@ -15,14 +15,16 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.cost.serve_model import CostModel
 from specdecode.engine import needs_features
 from specdecode.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MEASUREMENT_VERSION = 1
 """The version of the start-up measurement, part of the cost cache's key (:func:`specdecode.cost.cache.cost_key`).

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING
 
 from specdecode.drafters.heads import (
     KINDS,
@@ -27,6 +26,9 @@ from specdecode.drafters.heads import (
     save_drafter,
     target_identity,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def target_name(target: PreTrainedModel | str | Path) -> str:
@@ -109,6 +111,8 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     shipped = shipped_drafter_dir(kind, target)
     if holds(shipped):
         return shipped
+    from transformers import PreTrainedModel  # a model given: transformers' model code is loaded already
+
     if isinstance(target, PreTrainedModel):  # the same weights under another name: the load-time identity check
         for folder in sorted(shipped_drafters_root().glob(f"{kind}-*")):
             if holds(folder):

@@ -17,15 +17,17 @@ import time
 from collections.abc import Iterable
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
 
 from specdecode.drafters.corpus import token_sequences
 from specdecode.drafters.heads import target_identity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FEATURES_META = "features.json"
 

@@ -29,16 +29,18 @@ import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel, Qwen2Config, Qwen2Model
 
 from specdecode.errors import IncompatibleModelsError
 from specdecode.models.torch.compat import cache_kwargs
 from specdecode.models.torch.quant import int8_linear
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 KINDS = ("medusa", "eagle")
 CONFIG_FILE = "drafter.json"
@@ -338,6 +340,8 @@ class EagleHead(Drafter):
     """The EAGLE-style head: ``fc(embed(x_{p+1}) ++ f_p)`` -> one decoder layer -> RMS norm -> ``f^_{p+1}``."""
 
     def __init__(self, config: DrafterConfig, head_ids: torch.Tensor) -> None:
+        from transformers import Qwen2Config, Qwen2Model  # here: importing the package loads no transformers model
+
         super().__init__(config, head_ids)
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H)
@@ -361,6 +365,8 @@ class EagleHead(Drafter):
 
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for :meth:`forward`."""
+        from transformers import DynamicCache
+
         return DynamicCache(config=self.layer_config)
 
     def forward(

@@ -30,11 +30,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.drafters.features import FEATURES_META, load_features
 from specdecode.drafters.heads import (
@@ -49,6 +48,9 @@ from specdecode.drafters.heads import (
 )
 from specdecode.drafters.losses import DISTILL, eagle_loss, medusa_loss
 from specdecode.drafters.validation import expected_accepted, validate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHECKPOINT = "checkpoint.pt"
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING, Any
 
 from specdecode.models.backends import backend_of, runner_capabilities
 from specdecode.proposers.base import DEFAULT_NUM_SPECULATIVE_TOKENS, DraftTokens, Proposer, proposer_weight_bytes
@@ -25,6 +23,9 @@ from specdecode.proposers.hybrid import LookupFirstProposer, LookupFirstTreeProp
 from specdecode.proposers.medusa import MedusaConfig, MedusaProposer
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
 from specdecode.proposers.suffix import SuffixConfig, SuffixProposer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -58,16 +58,18 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.errors import IncompatibleModelsError
 from specdecode.models.backends import make_runner
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.sampling import SamplingParams, argmax_ids
 from specdecode.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Text both tokenizers must carry through an encode -> decode round trip (code and prose, as the
 # default target writes); a draft tokenizer that loses most of it cannot draft for the target.

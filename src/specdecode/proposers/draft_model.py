@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.models.backends import make_runner, runner_capabilities, runner_class
 from specdecode.models.contract import RunnerCapabilities
@@ -17,8 +16,6 @@ from specdecode.models.torch.quant import (
     shared_int8_copy,
     shared_int8_head,
 )
-from specdecode.models.torch.runner import share_plain_check
-from specdecode.models.torch.static_runner import torch_runner
 from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.hybrid import (
@@ -31,6 +28,9 @@ from specdecode.sampling import SamplingParams, argmax_on_device, logits_to_prob
 from specdecode.token_map import load_token_map
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,9 @@ class DraftModelProposer(ProposerBase):
                 f"token_map {self.config.token_map!r} has ids up to {int(head_ids.max())}, outside the draft's "
                 f"vocabulary of {V}: it was built for another tokenizer"
             )
+        from specdecode.models.torch.runner import share_plain_check
+        from specdecode.models.torch.static_runner import torch_runner
+
         self.quantization = resolve_draft_quantization(self.config.draft_quantization, model)
         source, head_module = model, None
         if self.quantization == "int8":

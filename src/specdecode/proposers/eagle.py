@@ -24,12 +24,10 @@ host copy per step (:class:`~specdecode.drafters.graphs.EagleHeadGraphs`). Sampl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
-from specdecode.drafters.graphs import EagleHeadGraphs, graph_settings
-from specdecode.drafters.heads import EagleHead
 from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
@@ -43,6 +41,11 @@ from specdecode.proposers.trained_drafters import (
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from specdecode.drafters.heads import EagleHead
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class EagleProposer(ProposerBase):
     to 0.07 at the third position). lab/notebook/2026-11-25-eagle-trees.md."""
 
     def __init__(self, drafter: EagleHead, config: EagleConfig | None = None) -> None:
+        from specdecode.drafters.graphs import EagleHeadGraphs, graph_settings  # torch modules: loaded with a drafter
+        from specdecode.drafters.heads import EagleHead
+
         if not isinstance(drafter, EagleHead) or not drafter.attached:
             raise ValueError("EagleProposer needs an EagleHead attached to the target (load_drafter(path, target))")
         self.drafter = drafter.eval()

@@ -24,14 +24,16 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 from specdecode.models.default import cache_dir
 from specdecode.proposers.draft_model import DraftModelConfig, DraftModelProposer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
-from specdecode.drafters.graphs import MedusaGraphs, graph_settings
-from specdecode.drafters.heads import MedusaHeads
 from specdecode.pass_observers import ProposerInfo
 from specdecode.proposers.base import DraftTokens, ProposerBase
 from specdecode.proposers.trained_drafters import (
@@ -40,6 +38,11 @@ from specdecode.proposers.trained_drafters import (
 from specdecode.sampling import SamplingParams
 from specdecode.tree import DraftTree, DynamicTree, TreeSpec, build_dynamic_tree, build_static_tree
 from specdecode.verify import VerifyResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from specdecode.drafters.heads import MedusaHeads
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class MedusaProposer(ProposerBase):
     accepted 0.04 and 0.00 of the time). lab/results/issue6-medusa-k."""
 
     def __init__(self, drafter: MedusaHeads, config: MedusaConfig | None = None) -> None:
+        from specdecode.drafters.graphs import MedusaGraphs, graph_settings  # torch modules: loaded with a drafter
+        from specdecode.drafters.heads import MedusaHeads
+
         if not isinstance(drafter, MedusaHeads) or not drafter.attached:
             raise ValueError("MedusaProposer needs MedusaHeads attached to the target (load_drafter(path, target))")
         self.drafter = drafter.eval()

@@ -15,10 +15,9 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode.drafters import find_drafter_dir
 from specdecode.drafters.heads import CONFIG_FILE, WEIGHTS_FILE, EagleHead, MedusaHeads, load_drafter
@@ -30,6 +29,9 @@ from specdecode.proposers.hybrid import (
     prompt_lookup_model_k_field,
 )
 from specdecode.sampling import SamplingParams, argmax_on_device, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Per target: (kind, folder, head quantization) -> (the files' modification times, the drafter loaded from them).
 _LOADED: weakref.WeakKeyDictionary[

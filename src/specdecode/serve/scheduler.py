@@ -39,10 +39,9 @@ import time
 import traceback
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from specdecode import loop_steps
 from specdecode.cost.serve_measure import default_batch_grid, in_own_thread, measure_draft_cost, measure_target_costs
@@ -62,6 +61,9 @@ from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.request import Event, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("specdecode.serve")
 

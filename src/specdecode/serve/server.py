@@ -6,10 +6,9 @@ import dataclasses
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from transformers import PreTrainedModel
 
 from specdecode.cost.serve_model import CostModel
 from specdecode.proposers.vocabulary import draft_proposer
@@ -17,6 +16,9 @@ from specdecode.serve.audit import AuditLog
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.prometheus import ServeMetrics
 from specdecode.serve.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def build_app(

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdecode.errors import ModelNotFoundError
 from specdecode.models.default import NAMED_MODELS, ensure_default_model, ensure_gguf_model, ensure_named_model
 from specdecode.models.torch.cpu import auto_dtype, prepack, use_onednn_linears
-from specdecode.models.torch.exact import EXACT_DTYPES, use_exact_passes, wants_exact_passes
 from specdecode.models.torch.placement import place_model, resolve_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ARCHITECTURES = Path(__file__).resolve().parents[2] / "data" / "architectures"
 """The default pair's ``config.json`` files (``<name>.json``), for :func:`random_model` without the weights."""
@@ -110,6 +111,8 @@ def load_model(
     place = resolve_device(device)
     torch_dtype = parse_dtype(dtype, place)
     gc.collect()  # dropped models caught in reference cycles give their memory back before the next load
+    from transformers import AutoModelForCausalLM  # here: choosing a dtype or a device loads no transformers model
+
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec, role), dtype=torch_dtype)
     return _ready(model, place, torch_dtype, onednn, prepack_now, cuda_graphs, exact)
 
@@ -118,6 +121,8 @@ def _ready(model: PreTrainedModel, place: torch.device, torch_dtype: torch.dtype
            cuda_graphs: bool, exact: bool = False) -> PreTrainedModel:  # fmt: skip
     """A built model made ready as :func:`load_model` describes: placed, or on the CPU routed through
     oneDNN, or marked for exact passes."""
+    from specdecode.models.torch.exact import EXACT_DTYPES, use_exact_passes, wants_exact_passes
+
     if place.type != "cpu":  # exact on a GPU: fixed-width passes (16-bit weights; float32 as it is)
         exact_here = exact and torch_dtype in EXACT_DTYPES
         return place_model(model.eval(), place, cuda_graphs, exact_here)  # type: ignore[return-value]
@@ -178,10 +183,14 @@ def random_model(
     gc.collect()
     torch.manual_seed(seed)
     with torch.device(place):
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     return _ready(model, place, torch_dtype, True, role == "target", cuda_graphs, exact)
 
 
 def load_tokenizer(model_dir: Path) -> Any:
     """The tokenizer saved in ``model_dir``."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model_dir)

@@ -42,10 +42,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from specdecode.models.torch.cpu import native_bf16_matmul, use_onednn_linears
-from specdecode.models.torch.runner import ModelRunner
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -204,6 +202,8 @@ def quantize_int8(
     ]
     if not names:
         raise ValueError("draft_quantization='int8': the draft has no linear layer left to quantize")
+    from transformers import PreTrainedModel  # here, not at import: the llama.cpp path never loads transformers' models
+
     work = copy.deepcopy(model)  # in the source's dtype
     with torch.no_grad():
         for name in names:
@@ -290,6 +290,10 @@ def shared_int8_copy(model: torch.nn.Module) -> torch.nn.Module:
     own cache. For token trees the copy inherits the float model's attention-mask check
     (:meth:`~specdecode.models.torch.runner.ModelRunner.share_masking_check`), run here once.
     Same errors as :func:`quantize_int8`."""
+    from transformers import PreTrainedModel
+
+    from specdecode.models.torch.runner import ModelRunner
+
     with _SHARED_LOCK:
         if model not in _SHARED:
             _SHARED[model] = quantize_int8(model)
