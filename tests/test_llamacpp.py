@@ -302,7 +302,9 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
 def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> None:
     """Prompt reuse through the engine: a request whose prompt is the previous one's skips the
     prefill (``stats.prefill_reused``) and gives the tokens a generator that runs every prefill
-    (``reuse_prompt = False``) gives, greedy and sampled with a seed."""
+    (``reuse_prompt = False``) gives, greedy and sampled with a seed. The draft model skips its
+    first pass too when its context (prompt and first token) is the previous request's: greedy
+    here; ``clear_cache`` forgets it."""
     prompt = tokenizer.encode("def fibonacci(n):")
     reusing = SpeculativeGenerator(target, draft=draft)
     fresh = SpeculativeGenerator(target, draft=draft)
@@ -311,9 +313,13 @@ def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> N
     reusing.generate(prompt, runs[0], num_speculative_tokens=3)
     for sampling in runs:
         again = reusing.generate(prompt, sampling, num_speculative_tokens=3)
+        fresh.proposer.clear_cache()  # type: ignore[union-attr]
         alone = fresh.generate(prompt, sampling, num_speculative_tokens=3)
         assert again.stats.prefill_reused and not alone.stats.prefill_reused
         assert again.token_ids == alone.token_ids
+        if sampling.greedy:  # the draft's first pass (prompt + the same first token) was kept too
+            assert again.stats.draft_pass_widths == alone.stats.draft_pass_widths[1:]
+            assert alone.stats.draft_pass_widths[0] == len(prompt) + 1
     other = reusing.generate(prompt[:-1], runs[0], num_speculative_tokens=3)
     assert not other.stats.prefill_reused
 

@@ -13,6 +13,7 @@ from conftest import REAL_MODEL_FILES
 TESTS = Path(__file__).resolve().parent
 LOADS_REAL_MODELS = re.compile(
     r"load_default_gguf|real_pair|real_bf16_pair|require_default_gguf|require_default_pair|from_pretrained\(\)"
+    r"|target_gguf\(None\)"  # the build's smoke test on the default target (a llama.cpp child)
 )
 
 
