@@ -108,6 +108,48 @@ def test_truncate_then_decode_equals_fresh_prefill(tiny_target) -> None:
         runner.truncate(11)
 
 
+def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(tiny_target, tiny_pair) -> None:
+    """``ModelRunner.restart`` (prompt reuse, specdecode.models.first_pass): the same prompt again
+    returns the first pass's rows with no pass and every pass after it equals a fresh sequence's bit
+    for bit; other arguments, a rollback into the prompt, a tree's compaction into it or ``reset``
+    run a pass. Through the engine: the same tokens as a generator that runs every prefill, greedy
+    and sampled, the second request's prefill (and the draft's first pass, greedy) reused."""
+    prompt, rest = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79]), torch.tensor([32, 38, 46, 26, 43])
+    runner, fresh = ModelRunner(tiny_target), ModelRunner(tiny_target)
+    first = runner.restart(prompt)
+    assert not runner.reused_prompt
+    runner.forward(rest, num_logits=5)
+    again = runner.restart(prompt)
+    assert runner.reused_prompt and runner.length == 8 and torch.equal(again, first)
+    fresh.forward(prompt)
+    assert torch.equal(runner.forward(rest, num_logits=5), fresh.forward(rest, num_logits=5))
+    for ids, n, hidden in [(prompt, 2, False), (prompt[:-1], 1, False), (prompt, 1, True)]:
+        runner.restart(ids, num_logits=n, return_hidden=hidden)
+        assert not runner.reused_prompt
+    runner.restart(prompt, return_hidden=True)
+    assert runner.reused_prompt
+    runner.truncate(7)
+    runner.restart(prompt)
+    assert not runner.reused_prompt
+    runner.forward(rest[:3], num_logits=3)
+    runner.compact(torch.tensor([6, 9]))  # entries into the prompt's: it is gone
+    runner.restart(prompt)
+    assert not runner.reused_prompt
+    runner.reset()
+    runner.restart(prompt)
+    assert not runner.reused_prompt
+    reusing = SpeculativeGenerator(tiny_pair["target"], tiny_pair["perturbed"])
+    alone = SpeculativeGenerator(tiny_pair["target"], tiny_pair["perturbed"])
+    alone.reuse_prompt = False
+    runs = [SamplingParams(max_new_tokens=12), SamplingParams(temperature=1.0, seed=5, max_new_tokens=12)]
+    reusing.generate(PROMPTS[0], runs[0], num_speculative_tokens=3)
+    for sampling in runs:
+        a = reusing.generate(PROMPTS[0], sampling, num_speculative_tokens=3)
+        alone.proposer.clear_cache()  # type: ignore[union-attr]
+        b = alone.generate(PROMPTS[0], sampling, num_speculative_tokens=3)
+        assert a.stats.prefill_reused and not b.stats.prefill_reused and a.token_ids == b.token_ids
+
+
 def test_same_seed_same_answer_no_state_leak(tiny_pair) -> None:
     spec = SpeculativeGenerator(tiny_pair["target"], tiny_pair["perturbed"])
     sampling = SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=25)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from specdecode.models.contract import RunnerCapabilities
+from specdecode.models.first_pass import FirstPass
 from specdecode.models.torch.compat import cache_kwargs
 from specdecode.models.torch.cpu import use_onednn_linears
 from specdecode.models.torch.exact import MASKED_ATTENTIONS, exact_passes
@@ -108,10 +109,11 @@ class ModelRunner:
     """
 
     capabilities = RunnerCapabilities(
-        backend="torch", returns_hidden=True, trees=True, reduced_head=True, model_insides=True
+        backend="torch", returns_hidden=True, trees=True, reduced_head=True, model_insides=True, prompt_reuse=True
     )
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
-    features, trees, a reduced head, the model's insides; one pass scores every row (no greedy
+    features, trees, a reduced head, the model's insides, prompt reuse (:meth:`restart`); one pass
+    scores every row (no greedy
     hints). Batch-invariant bit for bit only for a model marked for exact passes
     (:func:`~specdecode.models.torch.exact.use_exact_passes`): then an instance declares it."""
 
@@ -123,6 +125,8 @@ class ModelRunner:
             self.capabilities = replace(type(self).capabilities, batch_invariant=True)
         self.cache = DynamicCache(config=model.config)
         self.length = 0
+        self._first: FirstPass | None = None  # the sequence's first pass while the cache holds it
+        self.reused_prompt = False  # the last restart answered from the kept first pass
         self.head_ids: torch.Tensor | None = None  # int64 [N] on the model's device, or None
         if head_module is not None and head_ids is None:
             raise ValueError("head_module needs head_ids (the token ids of its rows)")
@@ -176,9 +180,30 @@ class ModelRunner:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
 
     def reset(self) -> None:
-        """Forget the whole sequence."""
+        """Forget the whole sequence (its first pass included: :meth:`restart` runs it again)."""
         self.cache = DynamicCache(config=self.model.config)
         self.length = 0
+        self._first = None
+
+    def restart(
+        self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A new sequence's first pass over ``input_ids``: :meth:`reset` then :meth:`forward`, or,
+        when the current sequence began with a first pass of these arguments and the cache still
+        holds its entries, the cache cut back to them and that pass's rows returned again, with
+        no pass run (:mod:`specdecode.models.first_pass`: exact bit for bit). :attr:`reused_prompt`
+        says which.
+
+        Args and returns: those of :meth:`forward`.
+        """
+        ids = [int(i) for i in input_ids.reshape(-1).tolist()]
+        kept = self._first.answer(ids, num_logits, return_hidden) if self._first is not None else None
+        self.reused_prompt = kept is not None
+        if kept is None:
+            self.reset()
+            return self.forward(input_ids, num_logits, return_hidden)
+        self.truncate(len(ids))
+        return kept
 
     @torch.inference_mode()
     def forward(
@@ -217,6 +242,7 @@ class ModelRunner:
         T = input_ids.shape[0]
         if not 1 <= num_logits <= T:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
+        first = self.length == 0  # a sequence's first pass: kept for restart
         ids = input_ids.view(1, T).to(self.device)  # (1, T)
         if self.head_ids is not None or return_hidden:
             if return_hidden:
@@ -227,12 +253,16 @@ class ModelRunner:
             ).last_hidden_state  # (1, T, H)
             self.length += T
             logits = self._head(hidden[:, -num_logits:])[0]  # (num_logits, V) or (num_logits, N)
-            return (logits, hidden[0]) if return_hidden else logits
-        out = self.model(
-            input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=num_logits
-        )
-        self.length += T
-        return out.logits[0, -num_logits:].float()  # (num_logits, V)
+            result = (logits, hidden[0]) if return_hidden else logits
+        else:
+            out = self.model(
+                input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=num_logits
+            )
+            self.length += T
+            result = out.logits[0, -num_logits:].float()  # (num_logits, V)
+        if first:
+            self._first = FirstPass.keep(input_ids.reshape(-1).tolist(), num_logits, result)
+        return result
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of features ``[..., H]``: the reduced head over :attr:`head_ids` (``[..., N]``),
@@ -257,6 +287,8 @@ class ModelRunner:
             # crop(-n) removes n tokens in every transformers version (>= 4.36 and 5.x)
             self.cache.crop(length - self.length)
             self.length = length
+            if self._first is not None and length < self._first.length:
+                self._first = None  # its entries are gone
 
     # ------------------------------------------------------------------ token trees
     @torch.inference_mode()
@@ -421,6 +453,8 @@ class ModelRunner:
         if n == 0 or int(keep[0]) < 0 or int(keep[-1]) >= self.length or bool((keep[1:] <= keep[:-1]).any()):
             raise ValueError(f"keep must be increasing positions in [0, {self.length}), got {keep.tolist()}")
         start = int(keep[0])
+        if self._first is not None and start < self._first.length:
+            self._first = None  # entries of the first pass are overwritten
         if int(keep[-1]) - start + 1 != n:  # not already contiguous
             index = keep.to(self.device)
             for layer in self.cache.layers:

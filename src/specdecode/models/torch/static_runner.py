@@ -144,6 +144,10 @@ class StaticCacheRunner(ModelRunner):
             through a ready-made 4D mask), as the batched runner.
     """
 
+    capabilities = replace(ModelRunner.capabilities, prompt_reuse=False)
+    """:class:`~specdecode.models.torch.runner.ModelRunner`'s without prompt reuse (not built for the
+    static cache: every prefill runs)."""
+
     def __init__(
         self,
         model: PreTrainedModel,
