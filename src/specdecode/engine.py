@@ -179,9 +179,10 @@ class SpeculativeGenerator:
 
     Attributes:
         reuse_prompt: a generation whose prompt is the previous generation's skips the target's
-            prefill where its runner keeps it (``capabilities.prompt_reuse``: llama.cpp; exact bit for
-            bit, :mod:`specdecode.models.first_pass`; ``stats.prefill_reused`` says so); default
-            True. The bench and the cost measurements set it False: they time whole generations.
+            prefill where its runner keeps it (``capabilities.prompt_reuse``: llama.cpp's and the eager
+            torch runner; exact bit for bit, :mod:`specdecode.models.first_pass`;
+            ``stats.prefill_reused`` says so); default True. The bench and the cost measurements set
+            it False: they time whole generations.
 
     Raises:
         IncompatibleModelsError: the draft's vocabulary size differs from the target's.
