@@ -80,7 +80,8 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(target) -> None:
     """``restart`` (prompt reuse, specdecode.models.first_pass): the same prompt again returns the
     first pass's rows with no pass, and every pass after it equals a fresh sequence's bit for bit
     (the cells it kept are that pass's own); other arguments, a rollback below the prompt, a tree
-    pass's nodes or ``reset`` make it run a pass, or drop what they must."""
+    pass's nodes or ``reset`` make it run a pass, or drop what they must; a plain ``forward`` keeps
+    nothing."""
     runner, fresh = target.make_runner(n_ctx=256), target.make_runner(n_ctx=256)
     prompt = IDS[:20]
     first = runner.restart(prompt)
@@ -112,6 +113,10 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(target) -> None:
     assert not runner.reused_prompt
     runner.reset()
     assert torch.equal(runner.restart(prompt), first) and not runner.reused_prompt
+    runner.reset()
+    runner.forward(prompt)  # not a restart: nothing kept
+    runner.restart(prompt)
+    assert not runner.reused_prompt
 
 
 @pytest.mark.parametrize("cached", [20, 300, 600])
@@ -302,9 +307,8 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
 def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> None:
     """Prompt reuse through the engine: a request whose prompt is the previous one's skips the
     prefill (``stats.prefill_reused``) and gives the tokens a generator that runs every prefill
-    (``reuse_prompt = False``) gives, greedy and sampled with a seed. The draft model skips its
-    first pass too when its context (prompt and first token) is the previous request's: greedy
-    here; ``clear_cache`` forgets it."""
+    (``reuse_prompt = False``) gives, greedy and sampled with a seed; the draft model's own first
+    pass runs every time."""
     prompt = tokenizer.encode("def fibonacci(n):")
     reusing = SpeculativeGenerator(target, draft=draft)
     fresh = SpeculativeGenerator(target, draft=draft)
@@ -313,13 +317,10 @@ def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> N
     reusing.generate(prompt, runs[0], num_speculative_tokens=3)
     for sampling in runs:
         again = reusing.generate(prompt, sampling, num_speculative_tokens=3)
-        fresh.proposer.clear_cache()  # type: ignore[union-attr]
         alone = fresh.generate(prompt, sampling, num_speculative_tokens=3)
         assert again.stats.prefill_reused and not alone.stats.prefill_reused
         assert again.token_ids == alone.token_ids
-        if sampling.greedy:  # the draft's first pass (prompt + the same first token) was kept too
-            assert again.stats.draft_pass_widths == alone.stats.draft_pass_widths[1:]
-            assert alone.stats.draft_pass_widths[0] == len(prompt) + 1
+        assert again.stats.draft_pass_widths == alone.stats.draft_pass_widths  # the draft's prefill too
     other = reusing.generate(prompt[:-1], runs[0], num_speculative_tokens=3)
     assert not other.stats.prefill_reused
 

@@ -113,7 +113,7 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(tiny_target, tiny_p
     returns the first pass's rows with no pass and every pass after it equals a fresh sequence's bit
     for bit; other arguments, a rollback into the prompt, a tree's compaction into it or ``reset``
     run a pass. Through the engine: the same tokens as a generator that runs every prefill, greedy
-    and sampled, the second request's prefill (and the draft's first pass, greedy) reused."""
+    and sampled, the second request's prefill reused. A plain ``forward`` keeps nothing."""
     prompt, rest = torch.tensor([3, 14, 15, 92, 65, 35, 89, 79]), torch.tensor([32, 38, 46, 26, 43])
     runner, fresh = ModelRunner(tiny_target), ModelRunner(tiny_target)
     first = runner.restart(prompt)
@@ -138,6 +138,10 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(tiny_target, tiny_p
     runner.reset()
     runner.restart(prompt)
     assert not runner.reused_prompt
+    runner.reset()
+    runner.forward(prompt)  # not a restart: nothing kept
+    runner.restart(prompt)
+    assert not runner.reused_prompt
     reusing = SpeculativeGenerator(tiny_pair["target"], tiny_pair["perturbed"])
     alone = SpeculativeGenerator(tiny_pair["target"], tiny_pair["perturbed"])
     alone.reuse_prompt = False
@@ -145,7 +149,6 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(tiny_target, tiny_p
     reusing.generate(PROMPTS[0], runs[0], num_speculative_tokens=3)
     for sampling in runs:
         a = reusing.generate(PROMPTS[0], sampling, num_speculative_tokens=3)
-        alone.proposer.clear_cache()  # type: ignore[union-attr]
         b = alone.generate(PROMPTS[0], sampling, num_speculative_tokens=3)
         assert a.stats.prefill_reused and not b.stats.prefill_reused and a.token_ids == b.token_ids
 

@@ -73,11 +73,10 @@ class BenchSettings:
         max_new_tokens: at most this many new tokens per turn.
         seed: seed of the sampling generator (sampled runs only).
         reset_proposer_caches: before each prompt (every method, repeat and the warm-up), clear
-            the proposers' cross-request state (the suffix proposer's cache of earlier outputs, a
-            draft model's kept first pass; :meth:`BenchModels.clear_proposer_caches`), so that no
-            timing depends on what was decoded before, the warm-up included. The turns of one
-            prompt still share it. False: the state carries over for the whole run, as in a
-            long-running server.
+            the proposers' cross-request state (the suffix proposer's cache of earlier outputs;
+            :meth:`BenchModels.clear_proposer_caches`), so that no timing depends on what was
+            decoded before, the warm-up included. The turns of one prompt still share it. False:
+            the state carries over for the whole run, as in a long-running server.
 
     Raises:
         ValueError: a value :class:`SamplingParams` rejects.

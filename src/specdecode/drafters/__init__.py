@@ -111,7 +111,7 @@ def find_drafter_dir(kind: str, target: PreTrainedModel | str | Path) -> Path:
     shipped = shipped_drafter_dir(kind, target)
     if holds(shipped):
         return shipped
-    from transformers import PreTrainedModel  # a model given: transformers' model code is loaded already
+    from transformers import PreTrainedModel  # here: only this search needs the class (and its model code)
 
     if isinstance(target, PreTrainedModel):  # the same weights under another name: the load-time identity check
         for folder in sorted(shipped_drafters_root().glob(f"{kind}-*")):

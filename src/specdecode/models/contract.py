@@ -69,8 +69,8 @@ class RunnerCapabilities:
             mode: its invariant chunk); None: every row is computed. For the draft gate's price of a
             draft (:mod:`specdecode.draft_gate`): a wrong draft then costs its chunk, not the pass.
         prompt_reuse: the runner has ``restart(input_ids, num_logits=1, return_hidden=False)``: a
-            new sequence's first pass, answered without a pass when the previous sequence's first
-            pass had the same arguments and the cache still holds its entries (exact bit for bit:
+            new sequence's first pass, answered without a pass when the previous sequence also began
+            with a ``restart`` of the same arguments and the cache still holds its entries (exact bit for bit:
             :mod:`specdecode.models.first_pass`); its ``reused_prompt`` then says whether it was.
     """
 

@@ -2,7 +2,8 @@
 
 Prompt reuse, for a whole prompt: what llama.cpp's server does with ``cache_prompt`` and vLLM with
 automatic prefix caching, limited here to a prompt equal to the previous sequence's, so that it is
-exact bit for bit. A runner keeps the rows its sequence's first pass returned; while its cache
+exact bit for bit. A runner keeps the rows a sequence's first pass made by ``restart`` returned
+(a plain ``forward`` keeps nothing); while its cache
 still holds that pass's entries (every later pass appends after them, a rollback never went below
 them), :meth:`Runner.restart <specdecode.models.contract.Runner.restart>` with the same tokens,
 ``num_logits`` and ``return_hidden`` drops what came after and answers with those rows, without a

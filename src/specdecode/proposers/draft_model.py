@@ -168,7 +168,6 @@ class DraftModelProposer(ProposerBase):
         self.config = config or DraftModelConfig()
         head_ids = self.config.head_ids()
         self._cached = torch.empty(0, dtype=torch.int64)  # tokens in the draft's cache, [runner.length]
-        self._new_sequence = True  # reset since the last sync: the next one is the draft's first pass
         capabilities = runner_capabilities(model)
         if not capabilities.model_insides:  # no torch modules to copy or slice (a GGUF file on llama.cpp)
             self._init_plain_runner(model, head_ids, capabilities)
@@ -217,17 +216,8 @@ class DraftModelProposer(ProposerBase):
         return self.runner.vocab_size
 
     def reset(self) -> None:
-        """A new request: the draft's cache is emptied at its first pass, unless that pass is the
-        previous request's (the same context: prompt and first token) on a runner that keeps it
-        (``capabilities.prompt_reuse``: exact bit for bit, :mod:`specdecode.models.first_pass`)."""
-        self._cached = torch.empty(0, dtype=torch.int64)
-        self._new_sequence = True
-
-    def clear_cache(self) -> None:
-        """Forget the kept first pass too (the bench times every prefill)."""
         self.runner.reset()
         self._cached = torch.empty(0, dtype=torch.int64)
-        self._new_sequence = True
 
     def describe(self) -> ProposerInfo:
         """Its :attr:`quantization`; its forwards priced on the cost table's ``"draft"`` curve."""
@@ -236,14 +226,6 @@ class DraftModelProposer(ProposerBase):
     def _sync(self, context: torch.Tensor) -> torch.Tensor:
         """Roll the cache back to the prefix it shares with ``context``; return the logits of the
         token after ``context`` (float32 ``[V]``, or ``[N]`` over the token map)."""
-        if self._new_sequence:
-            self._new_sequence = False
-            if self.runner.capabilities.prompt_reuse:
-                logits = self.runner.restart(context, num_logits=1)[-1]  # type: ignore[attr-defined]
-                if not self.runner.reused_prompt:  # type: ignore[attr-defined]
-                    self.passes(context.shape[0])
-                return logits
-            self.runner.reset()
         n = min(self._cached.shape[0], context.shape[0] - 1)  # feed at least the last token
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n

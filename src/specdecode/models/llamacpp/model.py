@@ -377,7 +377,7 @@ class LlamaCppRunner:
         self.passes = 0  # llama_decode calls made (a split verification pass counts each chunk)
         self._tree: TreeCache | None = None  # a token tree's nodes after the cached sequence (forward_masked)
         self._embeddings = False  # a tree pass wants hidden states
-        self._first: FirstPass | None = None  # the sequence's first pass while its cells hold it
+        self._first: FirstPass | None = None  # the sequence's first pass (by restart) while its cells hold it
         self.reused_prompt = False  # the last restart answered from the kept first pass
 
     # ------------------------------------------------------------------ the contract
@@ -412,8 +412,8 @@ class LlamaCppRunner:
         self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A new sequence's first pass over ``input_ids``: :meth:`reset` then :meth:`forward`, or,
-        when the current sequence began with a first pass of these arguments and its cells are
-        still there, those cells kept (the rest dropped, ``llama_memory_seq_rm``) and that pass's
+        when the current sequence began with a restart of these arguments and its cells are still
+        there, those cells kept (the rest dropped, ``llama_memory_seq_rm``) and that pass's
         rows returned again, with no pass run (:mod:`specdecode.models.first_pass`: exact bit for
         bit). :attr:`reused_prompt` says which.
 
@@ -425,14 +425,15 @@ class LlamaCppRunner:
         """
         ids = [int(i) for i in input_ids.reshape(-1).tolist()]
         kept = self._first.answer(ids, num_logits, return_hidden) if self._first is not None else None
+        self.reused_prompt = kept is not None
         if kept is None:
             self.reset()
-            self.reused_prompt = False
-            return self.forward(input_ids, num_logits, return_hidden)
+            out = self.forward(input_ids, num_logits, return_hidden)
+            self._first = FirstPass.keep(ids, num_logits, out)
+            return out
         self._tree = None  # a tree's nodes, if any, come after the kept cells: dropped with the rest
         self._cut(len(ids))
         self.length = len(ids)
-        self.reused_prompt = True
         return kept
 
     def truncate(self, length: int) -> None:
@@ -494,7 +495,6 @@ class LlamaCppRunner:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
         if self.length + T > self._n_ctx:
             raise ValueError(f"sequence of {self.length + T} tokens exceeds the context of {self._n_ctx} tokens")
-        first = self.length == 0  # a sequence's first pass: kept for restart
         options = self.model.options
         chunk = options.n_batch
         if options.exact and num_logits > 1:  # a verification pass: batch-invariant chunks
@@ -520,10 +520,7 @@ class LlamaCppRunner:
             if return_hidden:
                 self._lib.llama_set_embeddings(self._ctx, False)
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
-        out = (logits, torch.cat(hidden)) if return_hidden else logits
-        if first and greedy_draft is None:
-            self._first = FirstPass.keep(ids, num_logits, out)
-        return out
+        return (logits, torch.cat(hidden)) if return_hidden else logits
 
     def _decode(
         self, ids: list[int], scored: list[bool], hidden: list[torch.Tensor] | None = None, start: int | None = None
@@ -682,7 +679,7 @@ class LlamaCppRunner:
             return
         self.length = self._tree.settle(keep_list)
         self._tree = None
-        if self._first is not None and self.length < self._first.length:  # pragma: no cover - a tree follows the cache
+        if self._first is not None and self.length < self._first.length:  # a path that ends inside the cached sequence
             self._first = None
 
     def __del__(self) -> None:

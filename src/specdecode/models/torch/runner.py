@@ -125,7 +125,7 @@ class ModelRunner:
             self.capabilities = replace(type(self).capabilities, batch_invariant=True)
         self.cache = DynamicCache(config=model.config)
         self.length = 0
-        self._first: FirstPass | None = None  # the sequence's first pass while the cache holds it
+        self._first: FirstPass | None = None  # the sequence's first pass (by restart) while the cache holds it
         self.reused_prompt = False  # the last restart answered from the kept first pass
         self.head_ids: torch.Tensor | None = None  # int64 [N] on the model's device, or None
         if head_module is not None and head_ids is None:
@@ -189,8 +189,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A new sequence's first pass over ``input_ids``: :meth:`reset` then :meth:`forward`, or,
-        when the current sequence began with a first pass of these arguments and the cache still
-        holds its entries, the cache cut back to them and that pass's rows returned again, with
+        when the current sequence began with a restart of these arguments and the cache still holds
+        its entries, the cache cut back to them and that pass's rows returned again, with
         no pass run (:mod:`specdecode.models.first_pass`: exact bit for bit). :attr:`reused_prompt`
         says which.
 
@@ -201,7 +201,9 @@ class ModelRunner:
         self.reused_prompt = kept is not None
         if kept is None:
             self.reset()
-            return self.forward(input_ids, num_logits, return_hidden)
+            out = self.forward(input_ids, num_logits, return_hidden)
+            self._first = FirstPass.keep(ids, num_logits, out)
+            return out
         self.truncate(len(ids))
         return kept
 
@@ -242,7 +244,6 @@ class ModelRunner:
         T = input_ids.shape[0]
         if not 1 <= num_logits <= T:
             raise ValueError(f"num_logits must be in [1, {T}], got {num_logits}")
-        first = self.length == 0  # a sequence's first pass: kept for restart
         ids = input_ids.view(1, T).to(self.device)  # (1, T)
         if self.head_ids is not None or return_hidden:
             if return_hidden:
@@ -253,16 +254,12 @@ class ModelRunner:
             ).last_hidden_state  # (1, T, H)
             self.length += T
             logits = self._head(hidden[:, -num_logits:])[0]  # (num_logits, V) or (num_logits, N)
-            result = (logits, hidden[0]) if return_hidden else logits
-        else:
-            out = self.model(
-                input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=num_logits
-            )
-            self.length += T
-            result = out.logits[0, -num_logits:].float()  # (num_logits, V)
-        if first:
-            self._first = FirstPass.keep(input_ids.reshape(-1).tolist(), num_logits, result)
-        return result
+            return (logits, hidden[0]) if return_hidden else logits
+        out = self.model(
+            input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, logits_to_keep=num_logits
+        )
+        self.length += T
+        return out.logits[0, -num_logits:].float()  # (num_logits, V)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of features ``[..., H]``: the reduced head over :attr:`head_ids` (``[..., N]``),
