@@ -119,23 +119,53 @@ def test_a_repeated_prompt_reuses_its_first_pass_bit_for_bit(target) -> None:
     assert not runner.reused_prompt
 
 
+WIDTHS = (2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 33)
+"""Verification widths checked for invariance (those up to ``invariant_tokens``)."""
+
+
 @pytest.mark.parametrize("cached", [20, 300, 600])
 def test_passes_up_to_invariant_tokens_are_bit_identical_to_one_token_passes(target, cached) -> None:
-    """The property exact mode rests on, on this build and this CPU, and the split above it; after
-    300 and 600 cached tokens too (llama.cpp's flash attention sums a one-token pass over 512+ cached
-    tokens in per-thread chunks: exact mode runs such passes on ggml's reference kernels, below)."""
+    """The property exact mode rests on, on this build and this CPU; after 300 and 600 cached tokens
+    too (llama.cpp's flash attention sums a one-token pass over 512+ cached tokens in per-thread
+    chunks: exact mode runs such passes on ggml's reference kernels, below). The set-up's build
+    carries specdecode's batch-invariance patch, so every width up to 33 is one pass here."""
+    n_inv = target.options.invariant_tokens
+    widths = [n for n in WIDTHS if n <= n_inv]
     runner = target.make_runner(n_ctx=1024)
     runner.forward(IDS[:cached])
-    singles = torch.cat([runner.forward(IDS[cached + i : cached + i + 1]) for i in range(12)])  # (12, V)
-    n_inv = target.options.invariant_tokens
-    for n in range(2, n_inv + 1):
+    singles = torch.cat([runner.forward(IDS[cached + i : cached + i + 1]) for i in range(max(widths))])
+    for n in widths:
         runner.truncate(cached)
+        before = runner.passes
         logits = runner.forward(IDS[cached : cached + n], num_logits=n)
+        assert runner.passes - before == 1
         assert torch.equal(logits, singles[:n]), f"pass of {n} tokens after {cached}"
-    runner.truncate(cached)
+
+
+def test_the_set_up_build_verifies_any_width_in_one_pass(target) -> None:
+    """scripts/setup.sh builds llama.cpp with specdecode's batch-invariance patch
+    (``models/llamacpp/invariant_patch.py``): the CPU backend answers its marker, and an exact model
+    left to its defaults verifies up to PATCHED_INVARIANT_TOKENS tokens in one pass."""
+    from specdecode.models.llamacpp.invariant_patch import VERSION
+    from specdecode.models.llamacpp.kernels import invariant_rows
+    from specdecode.models.llamacpp.model import PATCHED_INVARIANT_TOKENS
+
+    assert invariant_rows() == VERSION, "the installed llama.cpp build lacks the patch: rerun scripts/setup.sh"
+    assert target.options.invariant_tokens == PATCHED_INVARIANT_TOKENS
+
+
+def test_a_verification_pass_wider_than_invariant_tokens_is_split() -> None:
+    """An exact model given ``invariant_tokens`` (here 3, the rule of a build without the patch)
+    splits a 12-row verification pass into chunks of at most 3, each bit-identical to one-token
+    passes."""
+    narrow = load_default_gguf("target", invariant_tokens=3)
+    runner = narrow.make_runner(n_ctx=256)
+    runner.forward(IDS[:20])
+    singles = torch.cat([runner.forward(IDS[20 + i : 21 + i]) for i in range(12)])
+    runner.truncate(20)
     before = runner.passes
-    split = runner.forward(IDS[cached : cached + 12], num_logits=12)  # exact: chunks of n_inv
-    assert runner.passes - before == -(-12 // n_inv)
+    split = runner.forward(IDS[20:32], num_logits=12)
+    assert runner.passes - before == 4
     assert torch.equal(split, singles)
 
 
@@ -353,9 +383,11 @@ def test_hidden_states_are_what_the_lm_head_turns_into_the_logits(target) -> Non
     assert (reference.forward(IDS[12:15], num_logits=3) - more).abs().max() < 0.05 * scale
 
 
-def test_a_greedy_verification_pass_stops_after_the_first_chunk_with_a_wrong_draft(target) -> None:
-    """Exact mode verifies in chunks anyway; with ``greedy_draft`` it stops after the chunk whose
-    argmax first disagrees with the draft (the verifier would throw the later rows away)."""
+def test_a_greedy_verification_pass_stops_after_the_first_chunk_with_a_wrong_draft() -> None:
+    """Exact mode verifies in chunks of ``invariant_tokens`` (here given: 3); with ``greedy_draft`` it
+    stops after the chunk whose argmax first disagrees with the draft (the verifier would throw the
+    later rows away)."""
+    target = load_default_gguf("target", invariant_tokens=3)
     runner = target.make_runner(n_ctx=128)
     first = int(runner.forward(IDS[:20])[0].argmax())
     chain = [first]

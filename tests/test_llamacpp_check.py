@@ -160,6 +160,8 @@ def test_doctor_reports_machine_build_check_and_backend(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert out.startswith("cpu: ") and "cores: " in out and "cpu flags: " in out
     assert "llama.cpp" in out
+    if build.installed_record() is not None:  # the set-up's build: with the batch-invariance patch
+        assert "llama.cpp batch-invariance patch: in (" in out
     assert "--backend auto: " in out.splitlines()[-2]
     assert out.splitlines()[-1].startswith("--device auto (torch): ")
 

@@ -1,13 +1,15 @@
 """Exact mode with every layer on a GPU follows the rule measured there, not the CPU's: passes of
 up to ``GPU_INVARIANT_TOKENS`` tokens are one pass (bit-identical on CUDA, measured on an H100:
 lab/results/issue42-h100/run2), flash attention is llama.cpp's choice, and no CPU reference
-kernels are switched. A caller's own ``invariant_tokens`` always wins; a CPU model is unchanged."""
+kernels are switched. A caller's own ``invariant_tokens`` always wins; a CPU model keeps the CPU
+rule (wide passes on a build with specdecode's batch-invariance patch, else 3 tokens)."""
 
 from __future__ import annotations
 
 from specdecode.models.llamacpp.model import (
     GPU_INVARIANT_TOKENS,
     INVARIANT_TOKENS,
+    PATCHED_INVARIANT_TOKENS,
     LlamaCppOptions,
     _lib,
     new_context,
@@ -38,9 +40,11 @@ def test_a_callers_invariant_tokens_and_fast_mode_are_left_alone() -> None:
 def test_a_model_on_the_cpu_keeps_the_cpu_rule_and_a_gpu_context_skips_the_reference_kernels() -> None:
     """On this CPU build the model is not on a GPU (CPU rule; exact mode's context switches the CPU
     reference kernels); a context made as if every layer were on a GPU gets no switch."""
+    from specdecode.models.llamacpp.kernels import invariant_rows
+
     model = load_default_gguf("draft")  # the session's (conftest): left as it was loaded
     assert not model.on_gpu
-    assert model.options.invariant_tokens == INVARIANT_TOKENS[True]
+    assert model.options.invariant_tokens == (PATCHED_INVARIANT_TOKENS if invariant_rows() else INVARIANT_TOKENS[True])
     try:
         for on_gpu, expect_kernels in ((False, True), (True, False)):
             model.on_gpu = on_gpu  # True: as a CUDA build with every layer offloaded sets it

@@ -99,8 +99,22 @@ def build_lines() -> list[str]:
         f"llama.cpp backend: {backend}{arch}",
         f"llama.cpp CMAKE_ARGS: {' '.join(record.get('cmake_args', []))}",
         f"llama.cpp built with: {record.get('compiler')}" + (f", {record['nvcc']}" if record.get("nvcc") else ""),
+        _patch_line(record),
         cxx_runtime_line(),
     ]
+
+
+def _patch_line(record: dict[str, Any]) -> str:
+    """Whether the build carries specdecode's batch-invariance patch (its record says)."""
+    if record.get("invariant_patch"):
+        return (
+            f"llama.cpp batch-invariance patch: in ({record['invariant_patch']}): exact mode verifies "
+            "a draft in one pass (docs/llamacpp.md#exact-mode-greedy-output-equal-to-plain-decoding)"
+        )
+    return (
+        "llama.cpp batch-invariance patch: not in (SPECDECODE_LLAMA_PATCH=0, an older set-up, or a source it "
+        "did not fit): exact mode verifies in chunks of 3 tokens; rerun scripts/setup.sh to build it"
+    )
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

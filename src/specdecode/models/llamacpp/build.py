@@ -47,8 +47,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
+
+if __package__:
+    from specdecode.models.llamacpp import invariant_patch
+else:  # run as a script before specdecode is installed: this file's folder is on sys.path
+    import invariant_patch  # type: ignore[no-redef]
 
 LLAMA_CPP_PYTHON = "0.3.36"
 """The llama-cpp-python release the set-up builds (pinned: the runner uses its low-level API)."""
@@ -72,6 +78,11 @@ CUDA_FLAGS = ("-DGGML_CUDA=on", "-DGGML_CUDA_FA=OFF")
 specdecode runs llama.cpp on a GPU with flash attention off, ``LlamaCppOptions.flash_attn``): a
 shorter build. With :func:`cuda_cmake_args` the only definition of a CUDA build's arguments
 (``lab/gpu/gpu_check.py`` uses it too)."""
+
+PATCH_OPT_OUT = "SPECDECODE_LLAMA_PATCH"
+"""``SPECDECODE_LLAMA_PATCH=0`` (or ``false``, ``no``, ``off``): build llama.cpp's source as it is,
+without specdecode's batch-invariance patch (:mod:`invariant_patch`; exact mode then verifies in
+chunks of 3 tokens)."""
 
 CUDA_OPT_OUT = "SPECDECODE_LLAMA_CUDA"
 """``SPECDECODE_LLAMA_CUDA=0`` (or ``false``, ``no``, ``off``): never build the ``cuda`` flavour."""
@@ -364,10 +375,17 @@ def build_spec(flavour: str = "native", user: str | None = None, cuda_arch: str 
         "compiler": compiler_version(),
         "python": f"{sys.implementation.name}{sys.version_info[0]}{sys.version_info[1]}",
         "platform": sys.platform,
+        "invariant_patch": patch_wanted() and invariant_patch.fingerprint(),
     }
     if flavour == "cuda":  # only here: a CPU build's key stays what it was
         spec.update(backend="cuda", cuda_arch=cuda_arch, nvcc=nvcc_version())
     return spec
+
+
+def patch_wanted() -> bool:
+    """Whether the build gets the batch-invariance patch (:mod:`invariant_patch`): unless
+    :data:`PATCH_OPT_OUT` says no."""
+    return os.environ.get(PATCH_OPT_OUT, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def build_backend(record: dict[str, Any] | None) -> str:
@@ -513,25 +531,42 @@ def _build_wheel(spec: dict[str, Any], key: str) -> Path:
     if flavour == "cuda" and "CUDACXX" not in env and (nvcc := find_nvcc()):
         env["CUDACXX"] = nvcc
     try:
-        _pip(
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-cache-dir",
-            "--no-binary",
-            "llama-cpp-python",
-            "-w",
-            str(tmp),
-            f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-            env=env,
-        )
+        source = _source(tmp / "src", patched=bool(spec.get("invariant_patch")))
+        _pip("wheel", "-q", "--no-deps", "--no-cache-dir", "-w", str(tmp), str(source), env=env)
     except subprocess.CalledProcessError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(tmp / "src", ignore_errors=True)
     (tmp / "build.json").write_text(json.dumps({**spec, "key": key}, indent=1))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return sorted(folder.glob("llama_cpp_python-*.whl"))[-1]
+
+
+def _source(folder: Path, patched: bool) -> Path:
+    """llama-cpp-python's source release (PyPI's sdist, ``pip download``) unpacked in ``folder``,
+    with the batch-invariance patch applied when ``patched`` (:func:`invariant_patch.apply`; a
+    patch that does not fit this source is left out with a message: the build goes on without it).
+
+    Raises:
+        subprocess.CalledProcessError: pip could not download it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    _pip(
+        "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(folder),
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+    )  # fmt: skip
+    archive = sorted(folder.glob("llama_cpp_python-*.tar.gz"))[-1]
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(folder)
+    root = folder / archive.name.removesuffix(".tar.gz")
+    if patched:
+        try:
+            invariant_patch.apply(root)
+            print("llama.cpp: specdecode's batch-invariance patch applied (docs/llamacpp.md)", flush=True)
+        except invariant_patch.PatchError as error:
+            print(f"llama.cpp: {error}; building without it (exact mode verifies in chunks of 3)", flush=True)
+    return root
 
 
 def embedded_libstdcxx(lib_dir: str | Path) -> list[str]:

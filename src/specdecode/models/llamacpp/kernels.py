@@ -8,13 +8,15 @@ stops matching one-token passes once 256 tokens are cached (llama.cpp pads the c
 over to 256), and exact mode had to turn flash attention off for the whole context, prefill
 included (measured: a 600-token prefill 4.3 s with it off, 3.6 s on, on 2 threads).
 
-ggml's CPU backend has a switch for its reference kernels (``ggml_backend_cpu_set_use_ref``,
-public in ``ggml-cpu.h``): flash attention then runs every query row over all KV cells in one
-pass, without the split and without tiles, the same code for one row as for three (it also skips
-operator fusion and the tiled matrix kernels of 8+ rows, neither of which a pass of at most 3 rows
-meets). The switch is read each time a graph is computed, so it can change between
-``llama_decode`` calls. :class:`ReferenceKernels` turns it on for the passes exact mode needs
-invariant (at most ``invariant_tokens`` tokens: every one-token decode and every verification
+ggml's CPU backend has a switch for its reference kernels (``ggml_backend_cpu_set_use_ref``, public
+in ``ggml-cpu.h``): flash attention then runs every query row over all KV cells in one pass,
+without the split and without tiles, the same code for one row as for three (it also skips operator
+fusion and the tiled matrix kernels of 8+ rows). On a build with specdecode's batch-invariance
+patch (:mod:`specdecode.models.llamacpp.invariant_patch`, :func:`invariant_rows`) the switch also
+makes repacked matrix products multiply every row as a one-row pass does, so passes of any width
+are invariant while it is on. The switch is read each time a graph is computed, so it can change
+between ``llama_decode`` calls. :class:`ReferenceKernels` turns it on for the passes exact mode
+needs invariant (at most ``invariant_tokens`` tokens: every one-token decode and every verification
 chunk) and off for longer ones (a prompt's prefill, which then gets the fast tiled kernel: plain
 decoding and speculative decoding prefill the same way, so their outputs stay equal).
 
@@ -67,13 +69,47 @@ class ReferenceKernels:
 
 
 @functools.cache
+def invariant_rows() -> int:
+    """The version of specdecode's batch-invariance patch in this llama.cpp build's CPU backend, 0
+    for none (:mod:`specdecode.models.llamacpp.invariant_patch`): where it is in, a pass of any
+    width run on the reference kernels gives every row what a one-token pass gives, so exact mode
+    verifies in one pass instead of chunks of :data:`~specdecode.models.llamacpp.model.INVARIANT_TOKENS`.
+    Asked once per process of the CPU backend's registry (``ggml_backend_reg_get_proc_address``)."""
+    from specdecode.models.llamacpp.invariant_patch import MARKER
+
+    base = _ggml_base()
+    cpu = _ggml_lib("ggml-cpu")
+    if base is None or cpu is None:
+        return 0
+    try:
+        cpu_reg = cpu.ggml_backend_cpu_reg
+        proc = base.ggml_backend_reg_get_proc_address
+    except AttributeError:
+        return 0
+    cpu_reg.argtypes, cpu_reg.restype = [], ctypes.c_void_p
+    proc.argtypes, proc.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    reg = cpu_reg()
+    address = proc(reg, MARKER.encode()) if reg else None
+    if not address:
+        return 0
+    return int(ctypes.CFUNCTYPE(ctypes.c_int)(address)())
+
+
+@functools.cache
 def _ggml_base() -> Any:
     """``libggml-base`` next to llama-cpp-python's ``libllama`` (None if not found), loaded once."""
+    return _ggml_lib("ggml-base")
+
+
+@functools.cache
+def _ggml_lib(name: str) -> Any:
+    """ggml's library ``name`` (e.g. ``"ggml-cpu"``) next to llama-cpp-python's ``libllama`` (None if
+    not found), loaded once."""
     import llama_cpp
     from llama_cpp._ctypes_extensions import load_shared_library
 
     try:
-        return load_shared_library("ggml-base", pathlib.Path(llama_cpp.__file__).parent / "lib")
+        return load_shared_library(name, pathlib.Path(llama_cpp.__file__).parent / "lib")
     except (FileNotFoundError, OSError, RuntimeError):
         return None
 

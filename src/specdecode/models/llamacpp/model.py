@@ -18,7 +18,10 @@ repacked Q4_K kernels take another summation order for passes of 4+ rows; the de
 So ``exact=True`` splits every verification pass (one that returns the logits of more than one
 position) into chunks of at most :attr:`LlamaCppOptions.invariant_tokens` tokens (:data:`INVARIANT_TOKENS`
 for the loading chosen; ``tests/test_llamacpp.py`` checks it on the real target), and greedy output
-equals plain decoding on this backend by construction. With every layer on a GPU the measured
+equals plain decoding on this backend by construction. The set-up's build carries specdecode's
+batch-invariance patch (:mod:`specdecode.models.llamacpp.invariant_patch`): there every pass run on
+ggml's reference kernels is invariant at any width, and an exact model verifies up to
+:data:`PATCHED_INVARIANT_TOKENS` tokens in one pass (:func:`options_for_build`). With every layer on a GPU the measured
 rule is CUDA's: passes of up to :data:`GPU_INVARIANT_TOKENS` (9) tokens are bit-identical, so
 verification of up to 8 drafted tokens is one pass (:func:`options_for_placement`). ``exact=False``
 verifies in one pass: the
@@ -50,6 +53,14 @@ INVARIANT_TOKENS = {False: 7, True: 3}
 """Longest pass measured to give logits bit-identical to one-token passes on llama.cpp's CPU
 kernels built without llamafile, by whether the weights are repacked (docs/llamacpp.md,
 ``lab/scripts/llamacpp_invariance.py``); an exact runner splits longer verification passes."""
+
+PATCHED_INVARIANT_TOKENS = 64
+"""Longest verification pass an exact runner makes in one go on a llama.cpp build with specdecode's
+batch-invariance patch (:mod:`specdecode.models.llamacpp.invariant_patch`, which the set-up applies):
+with ggml's reference kernels on, every row of a pass of any width is then what a one-token pass
+computes (``tests/test_llamacpp.py``); wider verification passes are split. Passes of at most this
+many tokens run on the reference kernels, so a prompt's prefill of more tokens keeps the fast
+tiled kernels."""
 
 GPU_INVARIANT_TOKENS = 9
 """Longest pass measured to give logits bit-identical to one-token passes with every layer on a
@@ -163,6 +174,22 @@ def options_for_placement(options: LlamaCppOptions, all_layers_on_gpu: bool) -> 
     return gpu
 
 
+def options_for_build(options: LlamaCppOptions, on_gpu: bool) -> LlamaCppOptions:
+    """``options`` for this process's llama.cpp build: in exact mode on the CPU, with the reference
+    kernels in use (``flash_attn`` not False) and ``invariant_tokens`` left to specdecode, a build with
+    the batch-invariance patch (:func:`specdecode.models.llamacpp.kernels.invariant_rows`) verifies
+    up to :data:`PATCHED_INVARIANT_TOKENS` tokens in one pass; anything else keeps ``options``."""
+    if on_gpu or not options.exact or options.invariant_tokens_given or options.flash_attn is False:
+        return options
+    from specdecode.models.llamacpp.kernels import invariant_rows
+
+    if not invariant_rows():
+        return options
+    wide = replace(options, invariant_tokens=PATCHED_INVARIANT_TOKENS)
+    object.__setattr__(wide, "invariant_tokens_given", False)
+    return wide
+
+
 class LlamaCppModel:
     """A GGUF model loaded once on llama.cpp; its runners (contexts, KV caches) share the weights.
 
@@ -207,7 +234,7 @@ class LlamaCppModel:
         n_layer = int(lib.llama_model_n_layer(self._model))
         self.on_gpu = offload and params.n_gpu_layers >= n_layer + 1  # every layer and the output layer
         """Whether every layer runs on a GPU (a GPU build, ``gpu_layers`` -1 or above the layer count)."""
-        self.options = options_for_placement(self.options, self.on_gpu)
+        self.options = options_for_build(options_for_placement(self.options, self.on_gpu), self.on_gpu)
 
     @property
     def capabilities(self) -> RunnerCapabilities:

@@ -1,0 +1,166 @@
+"""Batch-invariant passes of any width on llama.cpp's CPU kernels: the patch the set-up applies.
+
+Why. Exact mode needs every row of a verification pass to equal what a one-token pass computes,
+bit for bit (docs/llamacpp.md, "Exact mode"). With ggml's reference-kernel switch on, flash
+attention runs each query row alone and operator fusion is off; what was left is the matrix product
+of repacked Q4_K weights (llama.cpp's default on x86 CPUs with AVX2): 1-3 activation rows go
+through ``ggml_gemv_q4_K_8x8_q8_K``, groups of 4 through ``ggml_gemm_q4_K_8x8_q8_K``, which adds
+its float partial sums per 64-value sub-block pair instead of per 256-value super-block and
+quantizes the activations four rows at a time. So exact mode had to split verification into chunks
+of at most 3 tokens, and on two cores a 3-token chunk costs ~2.6 one-token passes.
+
+What. Four edits of llama-cpp-python's vendored ggml (:data:`EDITS`), applied to its source before
+the build (``build.py``):
+
+- ``ggml-cpu/arch/x86/repack.cpp`` gets ``ggml_gemv_rows_q4_K_8x8_q8_K``
+  (``native/gemv_rows_q4_K_8x8.cpp``): gemv's arithmetic, row by row, bit for bit, with the
+  weights loaded and unpacked once for every 4 rows;
+- ``ggml-cpu/repack.cpp``: while the reference-kernel switch is on (``params->use_ref``), a
+  repacked matrix product quantizes every activation row alone (``quantize_row_q8_K``, as one row
+  is) and multiplies all rows with that kernel (other repacked types: their gemv, row by row);
+  with the switch off nothing changes;
+- ``ggml-cpu/ggml-cpu.cpp``: the CPU backend's registry answers
+  :data:`MARKER` (``ggml_backend_reg_get_proc_address``), so the runner can tell a patched build
+  (:func:`specdecode.models.llamacpp.kernels.invariant_rows`) and verify any width in one pass.
+
+An edit whose anchor text is missing (another llama.cpp version) fails the whole patch with a
+message; the set-up then builds the source as it is, and exact mode keeps its 3-token chunks.
+
+Standard library only (``build.py`` imports it before specdecode is installed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "ggml_backend_cpu_specdecode_invariant_rows"
+"""The name a patched CPU backend's registry answers (an ``int (void)`` returning :data:`VERSION`)."""
+
+VERSION = 1
+"""What the marker function returns: this patch's version."""
+
+NATIVE = Path(__file__).parent / "native"
+KERNEL_FILE = NATIVE / "gemv_rows_q4_K_8x8.cpp"
+"""The AVX2 kernel inserted into ggml-cpu/arch/x86/repack.cpp."""
+TEMPLATE_FILE = NATIVE / "gemv_rows_template.cpp"
+"""``gemv_rows``, the templates inserted into ggml-cpu/repack.cpp."""
+
+GGML_CPU = Path("vendor/llama.cpp/ggml/src/ggml-cpu")
+"""ggml's CPU backend inside llama-cpp-python's source tree."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Insert ``text`` into ``path`` before (or, with ``after``, after) the only occurrence of
+    ``anchor``; with ``replace``, ``text`` replaces the anchor."""
+
+    path: Path
+    anchor: str
+    text: str
+    after: bool = False
+    replace: bool = False
+
+
+_ROWS_DECL = (
+    "\nvoid ggml_gemv_rows_q4_K_8x8_q8_K(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,"
+    " const void * GGML_RESTRICT vy, int nr, int nc);"
+)
+
+
+_ONE_CHUNK = """        if (params->use_ref) {  // specdecode: batch-invariant rows
+            gemv_rows<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, (float *) (dst_ptr) + src0_start, nb1 / nb0,
+                                                                  src0_ptr + src0_start * nb01, src1_ptr, nrows, ncols);
+            return;
+        }
+"""
+
+_QUANTIZE_OLD = """            for (int64_t i11 = ith * 4; i11 < ne11 - ne11 % 4; i11 += nth * 4) {
+                ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>((float *) (data_ptr + i11 * nb11),
+                                                            (void *) (wdata_ptr + i11 * nbw1), 4, ne10);
+            }
+
+            const int64_t i11_processed = ne11 - ne11 % 4;"""
+
+_QUANTIZE_NEW = """            // specdecode: with use_ref every row is quantized alone (as a one-row pass quantizes it)
+            const int64_t n_grouped = params->use_ref ? 0 : ne11 - ne11 % 4;
+            for (int64_t i11 = ith * 4; i11 < n_grouped; i11 += nth * 4) {
+                ggml_quantize_mat_t<INTER_SIZE, PARAM_TYPE>((float *) (data_ptr + i11 * nb11),
+                                                            (void *) (wdata_ptr + i11 * nbw1), 4, ne10);
+            }
+
+            const int64_t i11_processed = n_grouped;"""
+
+_MARKER_FN = f"""// specdecode: this build's repacked matrix products are batch-invariant while use_ref is on
+static int ggml_backend_cpu_specdecode_invariant_rows(void) {{
+    return {VERSION};
+}}
+
+"""
+
+_MARKER_PROC = f"""    if (strcmp(name, "{MARKER}") == 0) {{
+        return (void *)ggml_backend_cpu_specdecode_invariant_rows;
+    }}
+"""
+
+
+def edits() -> tuple[Edit, ...]:
+    """The patch's edits, paths relative to llama-cpp-python's source root."""
+    return (
+        Edit(
+            GGML_CPU / "repack.h",
+            "void ggml_gemv_q4_K_8x8_q8_K(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,"
+            " const void * GGML_RESTRICT vy, int nr, int nc);",
+            _ROWS_DECL,
+            after=True,
+        ),
+        Edit(GGML_CPU / "arch/x86/repack.cpp", "void ggml_gemv_iq4_nl_8x8_q8_0(", KERNEL_FILE.read_text() + "\n"),
+        Edit(GGML_CPU / "repack.cpp", "// gemm\ntemplate <typename BLOC_TYPE", TEMPLATE_FILE.read_text() + "\n"),
+        Edit(GGML_CPU / "repack.cpp", "        // If there are more than three rows in src1, use gemm;", _ONE_CHUNK),
+        Edit(GGML_CPU / "repack.cpp", _QUANTIZE_OLD, _QUANTIZE_NEW, replace=True),
+        Edit(GGML_CPU / "ggml-cpu.cpp", "static void * ggml_backend_cpu_get_proc_address(", _MARKER_FN),
+        Edit(GGML_CPU / "ggml-cpu.cpp", '    if (strcmp(name, "ggml_backend_cpu_set_use_ref") == 0) {', _MARKER_PROC),
+    )
+
+
+def fingerprint() -> str:
+    """A short hash of the patch (its edits and kernel): part of the build's cache key."""
+    digest = hashlib.sha256()
+    for edit in edits():
+        digest.update(repr(edit).encode())
+    return digest.hexdigest()[:12]
+
+
+class PatchError(RuntimeError):
+    """An edit's anchor is missing or not unique in the source (another llama.cpp version)."""
+
+
+def apply(source: str | Path) -> None:
+    """Apply every edit to llama-cpp-python's unpacked source tree ``source``, or none.
+
+    Raises:
+        PatchError: an anchor is missing or found more than once; no file was changed.
+    """
+    root = Path(source)
+    texts: dict[Path, str] = {}
+    for edit in edits():
+        path = root / edit.path
+        if path not in texts:
+            if not path.is_file():
+                raise PatchError(f"invariant patch: {edit.path} not in {root}")
+            texts[path] = path.read_text()
+        text = texts[path]
+        count = text.count(edit.anchor)
+        if count != 1:
+            raise PatchError(f"invariant patch: anchor {edit.anchor[:60]!r} found {count} times in {edit.path}")
+        at = text.index(edit.anchor)
+        if edit.replace:
+            texts[path] = text[:at] + edit.text + text[at + len(edit.anchor) :]
+        elif edit.after:
+            end = at + len(edit.anchor)
+            texts[path] = text[:end] + edit.text + text[end:]
+        else:
+            texts[path] = text[:at] + edit.text + text[at:]
+    for path, text in texts.items():
+        path.write_text(text)
