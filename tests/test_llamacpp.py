@@ -190,6 +190,11 @@ def test_exact_mode_runs_flash_attention_on_reference_kernels_for_short_passes_o
     assert not kernels.on  # the prefill: the fast (tiled, split) kernels
     runner.forward(IDS[600:601])
     assert kernels.on
+    short = target.make_runner(n_ctx=256)
+    short.forward(IDS[:40])  # a prompt's first pass of 40 tokens: the fast kernels too
+    assert not short.reference_kernels.on
+    short.forward(IDS[40:60], num_logits=20)  # a verification pass of 20: invariant, reference kernels
+    assert short.reference_kernels.on == (target.options.invariant_tokens >= 20)
     held_off = target.make_runner(n_ctx=1024)
     held_off.reference_kernels = None  # flash attention on, llama.cpp's own kernels throughout
     assert not _two_token_pass_matches_one_token_passes(held_off, 600)

@@ -20,3 +20,19 @@ def test_the_switch_is_on_for_invariant_passes_and_set_only_when_it_changes() ->
     kernels.before_pass(4)
     kernels.before_pass(40)
     assert calls == [(1234, True), (1234, False)] and not kernels.on
+
+
+def test_a_prompts_first_pass_keeps_the_fast_kernels_past_three_tokens() -> None:
+    """With wide invariant passes (the patched build's 64), a verification pass of 40 tokens runs
+    on the reference kernels, but a prompt's first pass of 40 (every sequence starting at position
+    0: the same pass for plain and speculative decoding) keeps llama.cpp's fast kernels."""
+    calls: list[bool] = []
+    kernels = ReferenceKernels(lambda backend, on: calls.append(on), 1, invariant_tokens=64)
+    kernels.before_pass(40, prompt=True)
+    assert not kernels.on and calls == []
+    kernels.before_pass(3, prompt=True)  # a prompt of at most 3 tokens: as before the patch
+    assert kernels.on
+    kernels.before_pass(40)
+    assert kernels.on and calls == [True]
+    kernels.before_pass(65)
+    assert not kernels.on and calls == [True, False]

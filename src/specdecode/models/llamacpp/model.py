@@ -330,7 +330,8 @@ def decode_batch(
 ) -> None:
     """Fill ``batch`` (from ``llama_batch_init``) with one token per entry: id, position, its one
     sequence id and whether to score it; set ``kernels`` (the context's reference-kernel switch,
-    from :func:`new_context`) for a pass of that many tokens; then one ``llama_decode`` on ``ctx``.
+    from :func:`new_context`) for a pass of that many tokens (a prompt's pass when every sequence in
+    it starts at position 0); then one ``llama_decode`` on ``ctx``.
 
     Raises:
         RuntimeError: ``llama_decode`` failed (the status and the token count are named).
@@ -343,7 +344,10 @@ def decode_batch(
         batch.logits[j] = scored[j]
     batch.n_tokens = len(tokens)
     if kernels is not None:
-        kernels.before_pass(len(tokens))
+        first: dict[int, int] = {}
+        for seq, position in zip(seq_ids, positions, strict=False):
+            first[seq] = min(position, first.get(seq, position))
+        kernels.before_pass(len(tokens), prompt=max(first.values()) == 0)
     status = lib.llama_decode(ctx, batch)
     if status != 0:
         raise RuntimeError(f"llama_decode failed with status {status} ({len(tokens)} tokens at {positions[0]}..)")
