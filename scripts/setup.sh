@@ -13,8 +13,9 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 # llama.cpp through llama-cpp-python (the llamacpp backend). PyPI has only its source: it is built
 # here (~4 min on 2 cores) for this machine, AMX kernels left out (they crash: llama.cpp #20824),
-# llamafile's sgemm off (batch-invariant short passes), CMAKE_ARGS from the environment first (e.g.
-# -DGGML_CUDA=on, -DGGML_METAL=on), and the wheel kept under a key of CPU, compiler and CMAKE_ARGS in
+# llamafile's sgemm off (batch-invariant short passes), specdecode's batch-invariance patch applied
+# to its source (models/llamacpp/invariant_patch.py; SPECDECODE_LLAMA_PATCH=0: without), CMAKE_ARGS
+# from the environment first (e.g. -DGGML_CUDA=on, -DGGML_METAL=on), and the wheel kept under a key of CPU, compiler and CMAKE_ARGS in
 # ~/.cache/specdecode/llama-cpp-builds: another machine or backend builds anew. Where nvcc AND an
 # NVIDIA GPU (nvidia-smi) are found it builds with CUDA for that GPU's architecture only, falling back
 # to the CPU build if that fails (SPECDECODE_LLAMA_CUDA=0: CPU only).

@@ -220,7 +220,7 @@ class LlamaCppModel:
         params = lib.llama_model_default_params()
         offload = bool(lib.llama_supports_gpu_offload())
         params.n_gpu_layers = (self.options.gpu_layers if self.options.gpu_layers >= 0 else 999) if offload else 0
-        params.use_extra_bufts = bool(self.options.repack)  # repacked weights: faster, invariant to 3 rows only
+        params.use_extra_bufts = bool(self.options.repack)  # repacked: faster; invariant to 3 rows unless patched
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path}")
