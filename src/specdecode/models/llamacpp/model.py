@@ -327,11 +327,15 @@ def decode_batch(
     seq_ids: list[int],
     scored: list[bool],
     kernels: ReferenceKernels | None = None,
+    prompt: bool | None = None,
 ) -> None:
     """Fill ``batch`` (from ``llama_batch_init``) with one token per entry: id, position, its one
     sequence id and whether to score it; set ``kernels`` (the context's reference-kernel switch,
-    from :func:`new_context`) for a pass of that many tokens (a prompt's pass when every sequence in
-    it starts at position 0); then one ``llama_decode`` on ``ctx``.
+    from :func:`new_context`) for a pass of that many tokens; then one ``llama_decode`` on ``ctx``.
+    ``prompt``: whether it is a prompt's first pass, which keeps the fast kernels past 3 tokens
+    (:meth:`ReferenceKernels.before_pass`); None: when every sequence in it starts at position 0 and
+    at most one row per sequence is scored (a prefill; a pass scoring more rows, such as a prompt's
+    log-probabilities, must match one-token decoding row for row).
 
     Raises:
         RuntimeError: ``llama_decode`` failed (the status and the token count are named).
@@ -344,10 +348,12 @@ def decode_batch(
         batch.logits[j] = scored[j]
     batch.n_tokens = len(tokens)
     if kernels is not None:
-        first: dict[int, int] = {}
-        for seq, position in zip(seq_ids, positions, strict=False):
-            first[seq] = min(position, first.get(seq, position))
-        kernels.before_pass(len(tokens), prompt=max(first.values()) == 0)
+        if prompt is None:
+            first: dict[int, int] = {}
+            for seq, position in zip(seq_ids, positions, strict=False):
+                first[seq] = min(position, first.get(seq, position))
+            prompt = max(first.values()) == 0 and sum(scored[: len(tokens)]) <= len(first)
+        kernels.before_pass(len(tokens), prompt=prompt)
     status = lib.llama_decode(ctx, batch)
     if status != 0:
         raise RuntimeError(f"llama_decode failed with status {status} ({len(tokens)} tokens at {positions[0]}..)")
@@ -565,7 +571,9 @@ class LlamaCppRunner:
         first = self.length if start is None else start
         outputs_asked = [True] * n if hidden is not None else scored  # embeddings on: llama.cpp outputs every token
         positions = list(range(first, first + n))
-        decode_batch(lib, self._ctx, self._batch, ids, positions, [0] * n, outputs_asked, self.reference_kernels)
+        prompt = first == 0 and sum(scored) <= 1  # a prefill (logits of its last row at most), embeddings or not
+        kernels = self.reference_kernels
+        decode_batch(lib, self._ctx, self._batch, ids, positions, [0] * n, outputs_asked, kernels, prompt)
         if start is None:
             self.length += n
         self.passes += 1
