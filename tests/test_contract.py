@@ -31,9 +31,12 @@ RUNNER_CLASSES = (ModelRunner, TorchBatchedRunner, LlamaCppRunner, LlamaCppBatch
 def test_every_runner_class_declares_its_capabilities(cls: type) -> None:
     caps = cls.capabilities
     assert isinstance(caps, RunnerCapabilities) and caps.backend in ("torch", "llamacpp")
-    flags = {k: v for k, v in dataclasses.asdict(caps).items() if k not in ("backend", "greedy_stop_rows")}
+    rows = ("greedy_stop_rows", "greedy_stop_then")
+    flags = {k: v for k, v in dataclasses.asdict(caps).items() if k not in ("backend", *rows)}
     assert all(isinstance(v, bool) for v in flags.values())
-    assert caps.greedy_stop_rows is None or (isinstance(caps.greedy_stop_rows, int) and caps.greedy_stop_rows >= 1)
+    for name in rows:
+        value = getattr(caps, name)
+        assert value is None or (isinstance(value, int) and value >= 1), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         caps.trees = False  # type: ignore[misc]
 

@@ -66,11 +66,15 @@ def test_wide_costs_follow_the_one_token_pass_as_the_context_changes() -> None:
     assert len(DraftGate(stale, config).trim(draft(5))) == 0
 
 
-def test_expected_cost_of_a_chunked_pass_equals_enumeration() -> None:
-    """With chunks of 3, a pass of w rows stops after the first chunk holding a wrong draft: the
-    gate's expected cost equals the sum over every accept/reject pattern of the drafts."""
+@pytest.mark.parametrize("chunk, then", [(3, None), (2, 64)])
+def test_expected_cost_of_a_chunked_pass_equals_enumeration(chunk: int, then: int | None) -> None:
+    """With chunks of 3 (llama.cpp's exact mode unpatched), or a first chunk of 2 and the rest in one
+    pass (patched), a pass of w rows stops after the first chunk holding a wrong draft: the gate's
+    expected cost equals the sum over every accept/reject pattern of the drafts."""
     per_row = [10.0, 17.0, 23.0, 31.0, 38.0, 44.0, 52.0, 59.0, 66.0]
-    gate = DraftGate(costs(per_row, step_ms=1.0, chunk=3))
+    measured = costs(per_row, step_ms=1.0, chunk=chunk)
+    measured.then = then
+    gate = DraftGate(measured)
     a1, q = 0.7, 0.8
     for d in range(1, 9):
         tokens, ms = gate.expected(a1, q, d)
@@ -81,7 +85,8 @@ def test_expected_cost_of_a_chunked_pass_equals_enumeration() -> None:
                 chance = a1 if i == 0 else (q if pattern[i - 1] else 0.5)  # after a rejection: irrelevant
                 p *= chance if ok else 1 - chance
             accepted = next((i for i, ok in enumerate(pattern) if not ok), d)
-            rows = d + 1 if accepted == d else min(d + 1, 3 * (accepted // 3 + 1))
+            ends = [chunk, *range(chunk + (then or chunk), d + 1, then or chunk), d + 1] if chunk < d + 1 else [d + 1]
+            rows = d + 1 if accepted == d else next(e for e in ends if e > accepted)
             want_tokens += p * (accepted + 1)
             want_ms += p * per_row[rows - 1]
         assert tokens == pytest.approx(want_tokens) and ms == pytest.approx(want_ms + 1.0), d

@@ -412,7 +412,41 @@ def test_a_greedy_verification_pass_stops_after_the_first_chunk_with_a_wrong_dra
     assert torch.equal(rows[:2], full[:2])  # the rows before the wrong token are the same
 
 
-def test_exact_mode_declares_its_chunk_to_the_draft_gate(target) -> None:
-    """The draft gate prices a wrong draft at its chunk: exact mode declares the chunk it stops at."""
-    assert target.capabilities.greedy_stop_rows == target.options.invariant_tokens >= 1
-    assert target.make_runner().capabilities.greedy_stop_rows == target.options.invariant_tokens
+def test_exact_mode_declares_its_chunks_to_the_draft_gate(target) -> None:
+    """The draft gate prices a wrong draft at the chunks up to it: exact mode declares where it stops
+    (the patched build: a first chunk of 2 rows, then the rest in one pass)."""
+    from specdecode.models.llamacpp.model import GREEDY_FIRST_ROWS, greedy_first_chunk
+
+    n_inv = target.options.invariant_tokens
+    expected_first = GREEDY_FIRST_ROWS if n_inv > 3 else n_inv
+    assert target.capabilities.greedy_stop_rows == greedy_first_chunk(n_inv) == expected_first
+    assert target.capabilities.greedy_stop_then == n_inv
+    runner = target.make_runner()
+    assert runner.capabilities.greedy_stop_rows == greedy_first_chunk(n_inv)
+
+
+def test_a_wide_greedy_pass_stops_after_two_rows_at_a_wrong_first_draft(target) -> None:
+    """On the patched build a greedy verification pass computes the root and the first draft first:
+    a wrong first draft stops it there (2 rows, one pass); right drafts get the rest in one more pass,
+    bit for bit the rows of one pass."""
+    if target.options.invariant_tokens <= 3:
+        pytest.skip("a build without the batch-invariance patch: chunks of 3 (the test above)")
+    runner = target.make_runner(n_ctx=128)
+    first = int(runner.forward(IDS[:20])[0].argmax())
+    chain = [first]
+    for _ in range(8):
+        chain.append(int(runner.forward(torch.tensor(chain[-1:]))[0].argmax()))
+    runner.truncate(20)
+    right = torch.tensor(chain)
+    whole = runner.forward(right, num_logits=9)  # no hint: one pass
+    runner.truncate(20)
+    before = runner.passes
+    hinted = runner.forward(right, num_logits=9, greedy_draft=right[1:])
+    assert runner.passes - before == 2 and torch.equal(hinted, whole)
+    runner.truncate(20)
+    wrong = right.clone()
+    wrong[1] = (wrong[1] + 1) % 1000  # the first draft is wrong
+    before = runner.passes
+    rows = runner.forward(wrong, num_logits=9, greedy_draft=wrong[1:])
+    assert runner.passes - before == 1 and rows.shape[0] == 2 and runner.length == 22
+    assert torch.equal(rows[0], whole[0])

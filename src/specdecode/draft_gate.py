@@ -104,12 +104,22 @@ class PassCosts:
         chunk: rows a greedy pass computes before it can stop early (the runner's
             ``capabilities.greedy_stop_rows``: llama.cpp's exact mode's invariant chunk, set by the
             engine), else learned from passes that stopped early; None: a pass computes all its rows.
+        then: rows of each later chunk (``capabilities.greedy_stop_then``); None: as ``chunk``.
     """
 
     ema: float = 0.2
     ms: list[float] = field(default_factory=lambda: [0.0] * (MAX_ROWS + 1))
     step_ms: float | None = None
     chunk: int | None = None
+    then: int | None = None
+
+    def chunk_ends(self, width: int) -> list[int]:
+        """Where a greedy pass of ``width`` rows ends its chunks: ``chunk`` rows, then ``then``."""
+        chunk = self.chunk
+        if chunk is None or chunk >= width:
+            return [width]
+        then = self.then or chunk
+        return [chunk, *range(chunk + then, width, then), width]
 
     def observe(self, width: int, rows: int, target_s: float, step_s: float) -> None:
         """One step: a pass fed ``width`` tokens, computed ``rows`` of them (fewer when it stopped
@@ -143,10 +153,13 @@ class PassCosts:
         if self.ms[rows]:
             return self.ms[rows]
         chunk = self.chunk
-        if chunk is not None and rows > chunk and self.ms[chunk]:  # whole chunks, then the rest
-            rest = rows % chunk
-            tail = self.cost(rest, prior_slope) if rest else 0.0
-            return None if tail is None else (rows // chunk) * self.ms[chunk] + tail
+        if chunk is not None and rows > chunk and self.ms[chunk]:  # the first chunk, then the rest
+            if self.then is None or self.then == chunk:  # whole chunks, then what is left
+                rest = rows % chunk
+                tail = self.cost(rest, prior_slope) if rest else 0.0
+                return None if tail is None else (rows // chunk) * self.ms[chunk] + tail
+            tail = self.cost(rows - chunk, prior_slope)
+            return None if tail is None else self.ms[chunk] + tail
         one = self.ms[1]
         if not one:
             return None
@@ -205,17 +218,18 @@ class DraftGate:
         probability ``a1`` and each later one, after an accepted one, with ``q``; None while the
         cost of a one-token pass is unknown.
 
-        A pass of ``w = d + 1`` rows that stops early runs its chunks of ``c`` rows in turn, chunk j
-        only when drafts 1 .. j*c were all accepted (probability ``A(j*c)``, ``A(m) = a1 q^(m-1)``,
-        ``A(0) = 1``); so it ends after chunk j with probability ``A(j*c) - A((j+1)*c)`` (the last
-        chunk: ``A(j*c)``), having computed ``min((j+1)*c, w)`` rows."""
+        A pass of ``w = d + 1`` rows that stops early runs its chunks in turn
+        (:meth:`PassCosts.chunk_ends`: ends ``e_1 < e_2 < .. < w``), chunk j only when drafts 1 .. e_(j-1)
+        were all accepted (probability ``A(e_(j-1))``, ``A(m) = a1 q^(m-1)``, ``A(0) = 1``); so it
+        ends after chunk j with probability ``A(e_(j-1)) - A(e_j)`` (the last chunk: ``A(e_(j-1))``),
+        having computed ``e_j`` rows."""
 
         def accepted_through(m: int) -> float:
             return 1.0 if m == 0 else a1 * q ** (m - 1)
 
         tokens = 1.0 + sum(accepted_through(i) for i in range(1, d + 1))
-        width, chunk, slope = d + 1, self.costs.chunk, self.config.prior_slope
-        ends = list(range(chunk, width, chunk)) + [width] if chunk is not None and chunk < width else [width]
+        width, slope = d + 1, self.config.prior_slope
+        ends = self.costs.chunk_ends(width)
         cost, start = 0.0, 0
         for j, end in enumerate(ends):
             ms = self.costs.cost(end, slope)

@@ -508,6 +508,7 @@ class SpeculativeGenerator:
                 proposer = with_prediction(proposer, prediction, int(prompt_ids.shape[0]))
         k = request.num_speculative_tokens or default_num_speculative_tokens(proposer)
         self.pass_costs.chunk = self.target.capabilities.greedy_stop_rows  # where a wrong draft stops a pass
+        self.pass_costs.then = self.target.capabilities.greedy_stop_then
         plan = SpeculationSchedule(k, schedule, self.pass_costs, greedy=sampling.greedy)
         tree = request.tree
         spec_tree = self._check_tree(tree, proposer, plan) if tree is not None and proposer is not None else None

@@ -64,10 +64,12 @@ class RunnerCapabilities:
             pass short: fewer logits rows (or NaN rows of a tree) than asked come back, and
             ``length`` / ``lengths`` say how many tokens were cached. A caller must read the rows it
             got, whatever this says; it is for records.
-        greedy_stop_rows: with a greedy hint, a pass is computed in chunks of this many rows and
-            stops after the first chunk whose argmax disagrees with the draft (llama.cpp's exact
-            mode: its invariant chunk); None: every row is computed. For the draft gate's price of a
-            draft (:mod:`specdecode.draft_gate`): a wrong draft then costs its chunk, not the pass.
+        greedy_stop_rows: with a greedy hint, a pass computes its first chunk of this many rows,
+            then chunks of ``greedy_stop_then`` rows, and stops after the first chunk whose argmax
+            disagrees with the draft (llama.cpp's exact mode); None: every row is computed. For the
+            draft gate's price of a draft (:mod:`specdecode.draft_gate`): a wrong draft then costs
+            the chunks up to it, not the pass.
+        greedy_stop_then: the rows of each chunk after the first (None: as many as the first).
         prompt_reuse: the runner has ``restart(input_ids, num_logits=1, return_hidden=False)``: a
             new sequence's first pass, answered without a pass when the previous sequence also began
             with a ``restart`` of the same arguments and the cache still holds its entries (exact bit for bit:
@@ -82,6 +84,7 @@ class RunnerCapabilities:
     batch_invariant: bool = False
     greedy_hints: bool = False
     greedy_stop_rows: int | None = None
+    greedy_stop_then: int | None = None
     prompt_reuse: bool = False
 
     def require(self, capability: str, runner: object, need: str) -> None:
