@@ -90,3 +90,37 @@ def test_an_exact_cpu_model_verifies_wide_passes_only_on_a_patched_build(monkeyp
     ):
         assert options_for_build(kept, on_gpu=False) is kept
     assert options_for_build(default, on_gpu=True) is default
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_the_build_records_whether_the_patch_went_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """``build._build_wheel`` downloads the sdist (faked here), patches and builds it; a source the
+    patch does not fit is built as it is, and its build.json (the installed record's source) says
+    ``invariant_patch: False``."""
+    import json
+    import tarfile
+
+    source = tmp_path / "fake-src"
+    texts = _fake_source(source)
+    cpu = source / invariant_patch.GGML_CPU / "ggml-cpu.cpp"
+    if not fits:  # another llama.cpp: the last anchor is gone
+        cpu.write_text(texts[cpu].replace(invariant_patch.edits()[-1].anchor, ""))
+
+    def fake_pip(*args: str, env: dict[str, str] | None = None) -> None:
+        name = f"llama_cpp_python-{build.LLAMA_CPP_PYTHON}"
+        if args[0] == "download":
+            with tarfile.open(Path(args[args.index("-d") + 1]) / f"{name}.tar.gz", "w:gz") as tar:
+                tar.add(source, arcname=name)
+        elif args[0] == "wheel":
+            patched = (Path(args[-1]) / invariant_patch.GGML_CPU / "ggml-cpu.cpp").read_text()
+            assert (invariant_patch.MARKER in patched) == fits
+            (Path(args[args.index("-w") + 1]) / f"{name}-py3-none-any.whl").write_bytes(b"wheel")
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_pip", fake_pip)
+    wheel = build._build_wheel(build.build_spec("native", ""), "k")
+    record = json.loads((wheel.parent / "build.json").read_text())
+    assert record["invariant_patch"] == (invariant_patch.fingerprint() if fits else False)
+    assert not (wheel.parent / "src").exists()

@@ -505,7 +505,9 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
     _pip("install", "-q", "--force-reinstall", "--no-deps", str(wheels[-1]))
     _pip("install", "-q", str(wheels[-1]))  # its dependencies (numpy, diskcache, jinja2, ...)
     _warn_if_embedded_libstdcxx()
-    record = {**spec, "key": key, "wheel": str(wheels[-1])}
+    built = folder / "build.json"  # what the build was (a patch that did not fit says so there)
+    known = json.loads(built.read_text()) if built.is_file() else spec
+    record = {**spec, "invariant_patch": known.get("invariant_patch"), "key": key, "wheel": str(wheels[-1])}
     (Path(sys.prefix) / RECORD_NAME).write_text(json.dumps(record, indent=1))
     return record
 
@@ -531,22 +533,26 @@ def _build_wheel(spec: dict[str, Any], key: str) -> Path:
     if flavour == "cuda" and "CUDACXX" not in env and (nvcc := find_nvcc()):
         env["CUDACXX"] = nvcc
     try:
-        source = _source(tmp / "src", patched=bool(spec.get("invariant_patch")))
+        source, patched = _source(tmp / "src", patched=bool(spec.get("invariant_patch")))
         _pip("wheel", "-q", "--no-deps", "--no-cache-dir", "-w", str(tmp), str(source), env=env)
     except subprocess.CalledProcessError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(tmp / "src", ignore_errors=True)
-    (tmp / "build.json").write_text(json.dumps({**spec, "key": key}, indent=1))
+    built = {**spec, "key": key}
+    if not patched:  # asked for but did not fit: the record says the build lacks it
+        built["invariant_patch"] = False
+    (tmp / "build.json").write_text(json.dumps(built, indent=1))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return sorted(folder.glob("llama_cpp_python-*.whl"))[-1]
 
 
-def _source(folder: Path, patched: bool) -> Path:
+def _source(folder: Path, patched: bool) -> tuple[Path, bool]:
     """llama-cpp-python's source release (PyPI's sdist, ``pip download``) unpacked in ``folder``,
     with the batch-invariance patch applied when ``patched`` (:func:`invariant_patch.apply`; a
     patch that does not fit this source is left out with a message: the build goes on without it).
+    Returns the source's root and whether the patch is in.
 
     Raises:
         subprocess.CalledProcessError: pip could not download it.
@@ -564,9 +570,10 @@ def _source(folder: Path, patched: bool) -> Path:
         try:
             invariant_patch.apply(root)
             print("llama.cpp: specdecode's batch-invariance patch applied (docs/llamacpp.md)", flush=True)
+            return root, True
         except invariant_patch.PatchError as error:
             print(f"llama.cpp: {error}; building without it (exact mode verifies in chunks of 3)", flush=True)
-    return root
+    return root, False
 
 
 def embedded_libstdcxx(lib_dir: str | Path) -> list[str]:
