@@ -564,7 +564,10 @@ def _source(folder: Path, patched: bool) -> tuple[Path, bool]:
     )  # fmt: skip
     archive = sorted(folder.glob("llama_cpp_python-*.tar.gz"))[-1]
     with tarfile.open(archive) as tar:
-        tar.extractall(folder, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(folder)
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+: refuse links and paths out of the folder
+            tar.extractall(folder, filter="data")
+        else:
+            tar.extractall(folder)
     root = folder / archive.name.removesuffix(".tar.gz")
     if patched:
         try:

@@ -9,13 +9,14 @@ its float partial sums per 64-value sub-block pair instead of per 256-value supe
 quantizes the activations four rows at a time. So exact mode had to split verification into chunks
 of at most 3 tokens, and on two cores a 3-token chunk costs ~2.6 one-token passes.
 
-What. Four edits of llama-cpp-python's vendored ggml (:data:`EDITS`), applied to its source before
-the build (``build.py``):
+What. Seven anchored edits of llama-cpp-python's vendored ggml in three files (:func:`edits`),
+applied to its source before the build (``build.py``):
 
-- ``ggml-cpu/arch/x86/repack.cpp`` gets ``ggml_gemv_rows_q4_K_8x8_q8_K``
+- ``ggml-cpu/arch/x86/repack.cpp`` (declared in ``repack.h``) gets ``ggml_gemv_rows_q4_K_8x8_q8_K``
   (``native/gemv_rows_q4_K_8x8.cpp``): gemv's arithmetic, row by row, bit for bit, with the
   weights loaded and unpacked once for every 4 rows;
-- ``ggml-cpu/repack.cpp``: while the reference-kernel switch is on (``params->use_ref``), a
+- ``ggml-cpu/repack.cpp`` (``native/gemv_rows_template.cpp`` and two edits of the product's
+  chunk and quantization): while the reference-kernel switch is on (``params->use_ref``), a
   repacked matrix product quantizes every activation row alone (``quantize_row_q8_K``, as one row
   is) and multiplies all rows with that kernel (other repacked types: their gemv, row by row);
   with the switch off nothing changes;

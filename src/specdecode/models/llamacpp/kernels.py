@@ -67,8 +67,9 @@ class ReferenceKernels:
     def before_pass(self, n_tokens: int, prompt: bool = False) -> None:
         """Set the switch for a ``llama_decode`` of ``n_tokens`` tokens: on for at most
         :attr:`invariant_tokens`, off for more (one ctypes call, only when it changes). A ``prompt``
-        pass (every sequence in it starts at position 0: a request's first pass, the same pass for
-        plain and speculative decoding, whose rows no later pass has to match) of more than
+        pass (a prefill: every sequence in it starts at position 0 and scores at most its last row,
+        the same pass for plain and speculative decoding, whose rows no later pass has to match;
+        :func:`~specdecode.models.llamacpp.model.decode_batch` decides) of more than
         :data:`PROMPT_REFERENCE_TOKENS` tokens runs the fast kernels whatever its size."""
         limit = min(self.invariant_tokens, PROMPT_REFERENCE_TOKENS) if prompt else self.invariant_tokens
         want = n_tokens <= limit
