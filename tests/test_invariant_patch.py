@@ -36,6 +36,10 @@ def test_every_edit_lands_at_its_anchor(tmp_path: Path) -> None:
             assert edit.text + edit.anchor in text
     kernel = (tmp_path / invariant_patch.GGML_CPU / "arch/x86/repack.cpp").read_text()
     assert "void ggml_gemv_rows_q4_K_8x8_q8_K(" in kernel
+    quants = (tmp_path / invariant_patch.GGML_CPU / "arch/x86/quants.c").read_text()
+    assert "void ggml_vec_dot_rows_q6_K_q8_K(" in quants
+    mul_mat = (tmp_path / invariant_patch.GGML_CPU / "ggml-cpu.c").read_text()
+    assert "ggml_vec_dot_rows_q6_K_q8_K(ne00" in mul_mat and "params->use_ref && type == GGML_TYPE_Q6_K" in mul_mat
     assert invariant_patch.MARKER in (tmp_path / invariant_patch.GGML_CPU / "ggml-cpu.cpp").read_text()
 
 

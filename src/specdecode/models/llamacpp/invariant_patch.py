@@ -9,7 +9,7 @@ its float partial sums per 64-value sub-block pair instead of per 256-value supe
 quantizes the activations four rows at a time. So exact mode had to split verification into chunks
 of at most 3 tokens, and on two cores a 3-token chunk costs ~2.6 one-token passes.
 
-What. Seven anchored edits of llama-cpp-python's vendored ggml in three files (:func:`edits`),
+What. Ten anchored edits of llama-cpp-python's vendored ggml in six files (:func:`edits`),
 applied to its source before the build (``build.py``):
 
 - ``ggml-cpu/arch/x86/repack.cpp`` (declared in ``repack.h``) gets ``ggml_gemv_rows_q4_K_8x8_q8_K``
@@ -20,6 +20,12 @@ applied to its source before the build (``build.py``):
   repacked matrix product quantizes every activation row alone (``quantize_row_q8_K``, as one row
   is) and multiplies all rows with that kernel (other repacked types: their gemv, row by row);
   with the switch off nothing changes;
+- ``ggml-cpu/arch/x86/quants.c`` (declared in ``quants.h``) gets ``ggml_vec_dot_rows_q6_K_q8_K``
+  (``native/vec_dot_rows_q6_K.c``) and ``ggml-cpu/ggml-cpu.c``'s product of weights that are not
+  repacked uses it while the switch is on (``native/mul_mat_rows_q6_K.c``): Q6_K weights (the
+  default target's LM head and half its ``ffn_down``) were already multiplied row by row, each
+  row alone, by ``ggml_vec_dot_q6_K_q8_K``; the kernel does that arithmetic for up to 4 rows,
+  bit for bit, unpacking the weights once;
 - ``ggml-cpu/ggml-cpu.cpp``: the CPU backend's registry answers
   :data:`MARKER` (``ggml_backend_reg_get_proc_address``), so the runner can tell a patched build
   (:func:`specdecode.models.llamacpp.kernels.invariant_rows`) and verify any width in one pass.
@@ -39,14 +45,19 @@ from pathlib import Path
 MARKER = "ggml_backend_cpu_specdecode_invariant_rows"
 """The name a patched CPU backend's registry answers (an ``int (void)`` returning :data:`VERSION`)."""
 
-VERSION = 1
-"""What the marker function returns: this patch's version."""
+VERSION = 2
+"""What the marker function returns: this patch's version (2: Q6_K rows share their weights)."""
 
 NATIVE = Path(__file__).parent / "native"
 KERNEL_FILE = NATIVE / "gemv_rows_q4_K_8x8.cpp"
 """The AVX2 kernel inserted into ggml-cpu/arch/x86/repack.cpp."""
 TEMPLATE_FILE = NATIVE / "gemv_rows_template.cpp"
 """``gemv_rows``, the templates inserted into ggml-cpu/repack.cpp."""
+
+Q6_K_KERNEL_FILE = NATIVE / "vec_dot_rows_q6_K.c"
+"""The AVX2 kernel inserted into ggml-cpu/arch/x86/quants.c."""
+Q6_K_HOOK_FILE = NATIVE / "mul_mat_rows_q6_K.c"
+"""Its use, inserted into ggml-cpu/ggml-cpu.c's ``ggml_compute_forward_mul_mat_one_chunk``."""
 
 GGML_CPU = Path("vendor/llama.cpp/ggml/src/ggml-cpu")
 """ggml's CPU backend inside llama-cpp-python's source tree."""
@@ -69,6 +80,25 @@ _ROWS_DECL = (
     " const void * GGML_RESTRICT vy, int nr, int nc);"
 )
 
+
+_Q6_K_DECL = """
+#if defined(__AVX2__) && (defined(__x86_64__) || defined(_M_X64))
+// specdecode: nr (1-4) activation rows at vy + r * by against one Q6_K weight row, each bit for bit
+// ggml_vec_dot_q6_K_q8_K's result, the weights unpacked once (arch/x86/quants.c)
+#define GGML_SPECDECODE_Q6_K_ROWS 1
+void ggml_vec_dot_rows_q6_K_q8_K(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
+                                 const void * GGML_RESTRICT vy, size_t by, int nr);
+#endif"""
+
+_VEC_DOT_Q6_K = (
+    "void ggml_vec_dot_q6_K_q8_K(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,"
+    " size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);"
+)
+
+_MUL_MAT_TILE = """    // attempt to reduce false-sharing (does not seem to make a difference)
+    // 16 * 2, accounting for mmla kernels
+    float tmp[32];
+"""
 
 _ONE_CHUNK = """        if (params->use_ref) {  // specdecode: batch-invariant rows
             gemv_rows<BLOC_TYPE, INTER_SIZE, NB_COLS, PARAM_TYPE>(ne00, (float *) (dst_ptr) + src0_start, nb1 / nb0,
@@ -120,6 +150,13 @@ def edits() -> tuple[Edit, ...]:
         Edit(GGML_CPU / "repack.cpp", "// gemm\ntemplate <typename BLOC_TYPE", TEMPLATE_FILE.read_text() + "\n"),
         Edit(GGML_CPU / "repack.cpp", "        // If there are more than three rows in src1, use gemm;", _ONE_CHUNK),
         Edit(GGML_CPU / "repack.cpp", _QUANTIZE_OLD, _QUANTIZE_NEW, replace=True),
+        Edit(GGML_CPU / "quants.h", _VEC_DOT_Q6_K, _Q6_K_DECL, after=True),
+        Edit(
+            GGML_CPU / "arch/x86/quants.c",
+            "#if defined (__AVX__) || defined (__AVX2__)\nstatic const int8_t keven_signs_q2xs[1024]",
+            Q6_K_KERNEL_FILE.read_text() + "\n",
+        ),
+        Edit(GGML_CPU / "ggml-cpu.c", _MUL_MAT_TILE, Q6_K_HOOK_FILE.read_text(), after=True),
         Edit(GGML_CPU / "ggml-cpu.cpp", "static void * ggml_backend_cpu_get_proc_address(", _MARKER_FN),
         Edit(GGML_CPU / "ggml-cpu.cpp", '    if (strcmp(name, "ggml_backend_cpu_set_use_ref") == 0) {', _MARKER_PROC),
     )

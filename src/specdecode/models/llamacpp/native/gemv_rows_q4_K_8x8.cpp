@@ -18,8 +18,6 @@ static inline void gemv_rows_q4_K_8x8_q8_K_R(int n, float * GGML_RESTRICT s, siz
     static const uint32_t kmask1 = 0x3f3f3f3f;
     static const uint32_t kmask2 = 0x0f0f0f0f;
     static const uint32_t kmask3 = 0x03030303;
-    constexpr int ROWS = R;
-    constexpr int rows = R;
 
     const __m128i deltamask = _mm_set_epi8(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
     const __m128i scalemask = _mm_set_epi8(7, 7, 3, 3, 6, 6, 2, 2, 5, 5, 1, 1, 4, 4, 0, 0);
@@ -29,145 +27,131 @@ static inline void gemv_rows_q4_K_8x8_q8_K_R(int n, float * GGML_RESTRICT s, siz
     const block_q4_Kx8 * b_ptr_start = (const block_q4_Kx8 *) vx;
     const block_q8_K * a_ptr_start = (const block_q8_K *) vy;
 
-    {
-        for (int64_t x = 0; x < nc / 8; x++) {
-            const block_q4_Kx8 * b_ptr = b_ptr_start + (x * nb);
-            __m256 acc_row[ROWS];
-            __m256 acc_min_rows[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                acc_row[r] = _mm256_setzero_ps();
-                acc_min_rows[r] = _mm256_setzero_ps();
+    for (int64_t x = 0; x < nc / 8; x++) {
+        const block_q4_Kx8 * b_ptr = b_ptr_start + (x * nb);
+        __m256 acc_row[R];
+        __m256 acc_min_rows[R];
+        for (int r = 0; r < R; r++) {
+            acc_row[r] = _mm256_setzero_ps();
+            acc_min_rows[r] = _mm256_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 col_scale_f32 = GGML_F32Cx8_REARRANGE_LOAD(b_ptr[b].d, deltamask);
+            const __m256 col_dmin_f32 = GGML_F32Cx8_LOAD(b_ptr[b].dmin);
+            __m256i iacc_b[R];
+            __m256i iacc_min_b[R];
+            __m256i q8s[R];
+            for (int r = 0; r < R; r++) {
+                const block_q8_K * a = a_ptr_start + ((y0 + r) * nb) + b;
+                iacc_b[r] = _mm256_setzero_si256();
+                iacc_min_b[r] = _mm256_setzero_si256();
+                const __m256i q8sums = _mm256_loadu_si256((const __m256i *) (a->bsums));
+                __m256i h = _mm256_castsi128_si256(_mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1)));
+                q8s[r] = _mm256_permute2f128_si256(h, h, 0);
             }
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256 col_scale_f32 = GGML_F32Cx8_REARRANGE_LOAD(b_ptr[b].d, deltamask);
-                const __m256 col_dmin_f32 = GGML_F32Cx8_LOAD(b_ptr[b].dmin);
-                __m256i iacc_b[ROWS];
-                __m256i iacc_min_b[ROWS];
-                __m256i q8s[ROWS];
-                for (int r = 0; r < rows; r++) {
+            for (int sb = 0; sb < QK_K / 64; sb++) {
+                const __m256i raw_0123_0 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + sb * 256));
+                const __m256i raw_4567_0 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 32 + sb * 256));
+                const __m256i raw_0123_1 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 64 + sb * 256));
+                const __m256i raw_4567_1 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 96 + sb * 256));
+                const __m256i raw_0123_2 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 128 + sb * 256));
+                const __m256i raw_4567_2 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 160 + sb * 256));
+                const __m256i raw_0123_3 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 192 + sb * 256));
+                const __m256i raw_4567_3 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 224 + sb * 256));
+
+                const __m256i v0123_00 = _mm256_and_si256(raw_0123_0, m4b);
+                const __m256i v4567_00 = _mm256_and_si256(raw_4567_0, m4b);
+                const __m256i v0123_01 = _mm256_and_si256(raw_0123_1, m4b);
+                const __m256i v4567_01 = _mm256_and_si256(raw_4567_1, m4b);
+                const __m256i v0123_02 = _mm256_and_si256(raw_0123_2, m4b);
+                const __m256i v4567_02 = _mm256_and_si256(raw_4567_2, m4b);
+                const __m256i v0123_03 = _mm256_and_si256(raw_0123_3, m4b);
+                const __m256i v4567_03 = _mm256_and_si256(raw_4567_3, m4b);
+                const __m256i v0123_10 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_0, 4), m4b);
+                const __m256i v4567_10 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_0, 4), m4b);
+                const __m256i v0123_11 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_1, 4), m4b);
+                const __m256i v4567_11 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_1, 4), m4b);
+                const __m256i v0123_12 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_2, 4), m4b);
+                const __m256i v4567_12 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_2, 4), m4b);
+                const __m256i v0123_13 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_3, 4), m4b);
+                const __m256i v4567_13 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_3, 4), m4b);
+
+                // the weight operands of gemv's 16 maddubs, formed once for all rows
+                __m256i w[16];
+                w[0]  = _mm256_blend_epi32(v0123_00, _mm256_shuffle_epi32(v4567_00, 177), 170);
+                w[1]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_00, 177), v4567_00, 170);
+                w[2]  = _mm256_blend_epi32(v0123_01, _mm256_shuffle_epi32(v4567_01, 177), 170);
+                w[3]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_01, 177), v4567_01, 170);
+                w[4]  = _mm256_blend_epi32(v0123_02, _mm256_shuffle_epi32(v4567_02, 177), 170);
+                w[5]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_02, 177), v4567_02, 170);
+                w[6]  = _mm256_blend_epi32(v0123_03, _mm256_shuffle_epi32(v4567_03, 177), 170);
+                w[7]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_03, 177), v4567_03, 170);
+                w[8]  = _mm256_blend_epi32(v0123_10, _mm256_shuffle_epi32(v4567_10, 177), 170);
+                w[9]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_10, 177), v4567_10, 170);
+                w[10] = _mm256_blend_epi32(v0123_11, _mm256_shuffle_epi32(v4567_11, 177), 170);
+                w[11] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_11, 177), v4567_11, 170);
+                w[12] = _mm256_blend_epi32(v0123_12, _mm256_shuffle_epi32(v4567_12, 177), 170);
+                w[13] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_12, 177), v4567_12, 170);
+                w[14] = _mm256_blend_epi32(v0123_13, _mm256_shuffle_epi32(v4567_13, 177), 170);
+                w[15] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_13, 177), v4567_13, 170);
+
+                uint32_t utmp_0[4], utmp_1[4];
+                memcpy(utmp_0, b_ptr[b].scales + 24 * sb, 12);
+                utmp_0[3] = ((utmp_0[2] >> 4) & kmask2) | (((utmp_0[1] >> 6) & kmask3) << 4);
+                const uint32_t uaux_0 = utmp_0[1] & kmask1;
+                utmp_0[1] = (utmp_0[2] & kmask2) | (((utmp_0[0] >> 6) & kmask3) << 4);
+                utmp_0[2] = uaux_0;
+                utmp_0[0] &= kmask1;
+                memcpy(utmp_1, b_ptr[b].scales + 12 + sb * 24, 12);
+                utmp_1[3] = ((utmp_1[2] >> 4) & kmask2) | (((utmp_1[1] >> 6) & kmask3) << 4);
+                const uint32_t uaux_1 = utmp_1[1] & kmask1;
+                utmp_1[1] = (utmp_1[2] & kmask2) | (((utmp_1[0] >> 6) & kmask3) << 4);
+                utmp_1[2] = uaux_1;
+                utmp_1[0] &= kmask1;
+
+                const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
+                const __m256i scales_0 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_0, scalemask));
+                const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
+                const __m256i scales_1 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_1, scalemask));
+                const __m256i mins_01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
+
+                for (int r = 0; r < R; r++) {
                     const block_q8_K * a = a_ptr_start + ((y0 + r) * nb) + b;
-                    iacc_b[r] = _mm256_setzero_si256();
-                    iacc_min_b[r] = _mm256_setzero_si256();
-                    const __m256i q8sums = _mm256_loadu_si256((const __m256i *) (a->bsums));
-                    __m256i h = _mm256_castsi128_si256(_mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1)));
-                    q8s[r] = _mm256_permute2f128_si256(h, h, 0);
-                }
-                for (int sb = 0; sb < QK_K / 64; sb++) {
-                    const __m256i raw_0123_0 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + sb * 256));
-                    const __m256i raw_4567_0 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 32 + sb * 256));
-                    const __m256i raw_0123_1 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 64 + sb * 256));
-                    const __m256i raw_4567_1 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 96 + sb * 256));
-                    const __m256i raw_0123_2 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 128 + sb * 256));
-                    const __m256i raw_4567_2 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 160 + sb * 256));
-                    const __m256i raw_0123_3 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 192 + sb * 256));
-                    const __m256i raw_4567_3 = _mm256_loadu_si256((const __m256i *) (b_ptr[b].qs + 224 + sb * 256));
-
-                    const __m256i v0123_00 = _mm256_and_si256(raw_0123_0, m4b);
-                    const __m256i v4567_00 = _mm256_and_si256(raw_4567_0, m4b);
-                    const __m256i v0123_01 = _mm256_and_si256(raw_0123_1, m4b);
-                    const __m256i v4567_01 = _mm256_and_si256(raw_4567_1, m4b);
-                    const __m256i v0123_02 = _mm256_and_si256(raw_0123_2, m4b);
-                    const __m256i v4567_02 = _mm256_and_si256(raw_4567_2, m4b);
-                    const __m256i v0123_03 = _mm256_and_si256(raw_0123_3, m4b);
-                    const __m256i v4567_03 = _mm256_and_si256(raw_4567_3, m4b);
-                    const __m256i v0123_10 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_0, 4), m4b);
-                    const __m256i v4567_10 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_0, 4), m4b);
-                    const __m256i v0123_11 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_1, 4), m4b);
-                    const __m256i v4567_11 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_1, 4), m4b);
-                    const __m256i v0123_12 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_2, 4), m4b);
-                    const __m256i v4567_12 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_2, 4), m4b);
-                    const __m256i v0123_13 = _mm256_and_si256(_mm256_srli_epi16(raw_0123_3, 4), m4b);
-                    const __m256i v4567_13 = _mm256_and_si256(_mm256_srli_epi16(raw_4567_3, 4), m4b);
-
-                    // the weight operands of gemv's 16 maddubs, formed once for all rows
-                    __m256i w[16];
-                    w[0]  = _mm256_blend_epi32(v0123_00, _mm256_shuffle_epi32(v4567_00, 177), 170);
-                    w[1]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_00, 177), v4567_00, 170);
-                    w[2]  = _mm256_blend_epi32(v0123_01, _mm256_shuffle_epi32(v4567_01, 177), 170);
-                    w[3]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_01, 177), v4567_01, 170);
-                    w[4]  = _mm256_blend_epi32(v0123_02, _mm256_shuffle_epi32(v4567_02, 177), 170);
-                    w[5]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_02, 177), v4567_02, 170);
-                    w[6]  = _mm256_blend_epi32(v0123_03, _mm256_shuffle_epi32(v4567_03, 177), 170);
-                    w[7]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_03, 177), v4567_03, 170);
-                    w[8]  = _mm256_blend_epi32(v0123_10, _mm256_shuffle_epi32(v4567_10, 177), 170);
-                    w[9]  = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_10, 177), v4567_10, 170);
-                    w[10] = _mm256_blend_epi32(v0123_11, _mm256_shuffle_epi32(v4567_11, 177), 170);
-                    w[11] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_11, 177), v4567_11, 170);
-                    w[12] = _mm256_blend_epi32(v0123_12, _mm256_shuffle_epi32(v4567_12, 177), 170);
-                    w[13] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_12, 177), v4567_12, 170);
-                    w[14] = _mm256_blend_epi32(v0123_13, _mm256_shuffle_epi32(v4567_13, 177), 170);
-                    w[15] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_13, 177), v4567_13, 170);
-
-                    uint32_t utmp_0[4], utmp_1[4];
-                    memcpy(utmp_0, b_ptr[b].scales + 24 * sb, 12);
-                    utmp_0[3] = ((utmp_0[2] >> 4) & kmask2) | (((utmp_0[1] >> 6) & kmask3) << 4);
-                    const uint32_t uaux_0 = utmp_0[1] & kmask1;
-                    utmp_0[1] = (utmp_0[2] & kmask2) | (((utmp_0[0] >> 6) & kmask3) << 4);
-                    utmp_0[2] = uaux_0;
-                    utmp_0[0] &= kmask1;
-                    memcpy(utmp_1, b_ptr[b].scales + 12 + sb * 24, 12);
-                    utmp_1[3] = ((utmp_1[2] >> 4) & kmask2) | (((utmp_1[1] >> 6) & kmask3) << 4);
-                    const uint32_t uaux_1 = utmp_1[1] & kmask1;
-                    utmp_1[1] = (utmp_1[2] & kmask2) | (((utmp_1[0] >> 6) & kmask3) << 4);
-                    utmp_1[2] = uaux_1;
-                    utmp_1[0] &= kmask1;
-
-                    const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
-                    const __m256i scales_0 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_0, scalemask));
-                    const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
-                    const __m256i scales_1 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_1, scalemask));
-                    const __m256i mins_01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
-
-                    for (int r = 0; r < rows; r++) {
-                        const block_q8_K * a = a_ptr_start + ((y0 + r) * nb) + b;
-                        __m256i l00 = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) (a->qs + sb * 64)));
-                        __m256i l01 = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) (a->qs + 16 + sb * 64)));
-                        __m256i l10 = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) (a->qs + 32 + sb * 64)));
-                        __m256i l11 = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) (a->qs + 48 + sb * 64)));
-                        l00 = _mm256_permute2f128_si256(l00, l00, 0);
-                        l01 = _mm256_permute2f128_si256(l01, l01, 0);
-                        l10 = _mm256_permute2f128_si256(l10, l10, 0);
-                        l11 = _mm256_permute2f128_si256(l11, l11, 0);
-
-                        __m256i iacc_0 = _mm256_setzero_si256();
-                        __m256i iacc_1 = _mm256_setzero_si256();
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[0], _mm256_shuffle_epi32(l00, 0)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[1], _mm256_shuffle_epi32(l00, 85)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[2], _mm256_shuffle_epi32(l00, 170)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[3], _mm256_shuffle_epi32(l00, 255)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[4], _mm256_shuffle_epi32(l01, 0)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[5], _mm256_shuffle_epi32(l01, 85)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[6], _mm256_shuffle_epi32(l01, 170)));
-                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[7], _mm256_shuffle_epi32(l01, 255)));
-                        iacc_0 = _mm256_madd_epi16(iacc_0, scales_0);
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[8], _mm256_shuffle_epi32(l10, 0)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[9], _mm256_shuffle_epi32(l10, 85)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[10], _mm256_shuffle_epi32(l10, 170)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[11], _mm256_shuffle_epi32(l10, 255)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[12], _mm256_shuffle_epi32(l11, 0)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[13], _mm256_shuffle_epi32(l11, 85)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[14], _mm256_shuffle_epi32(l11, 170)));
-                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[15], _mm256_shuffle_epi32(l11, 255)));
-                        iacc_1 = _mm256_madd_epi16(iacc_1, scales_1);
-
-                        const __m256i iacc_sb = _mm256_add_epi32(iacc_0, iacc_1);
-                        const __m256i q8s_sb = _mm256_shuffle_epi32(q8s[r], 0);
-                        const __m256i iacc_min_sb = _mm256_madd_epi16(q8s_sb, mins_01);
-                        q8s[r] = _mm256_bsrli_epi128(q8s[r], 4);
-                        iacc_b[r] = _mm256_add_epi32(iacc_b[r], iacc_sb);
-                        iacc_min_b[r] = _mm256_add_epi32(iacc_min_b[r], iacc_min_sb);
+                    // gemv broadcasts the row's activations 4 bytes at a time (shuffle_epi32 of 16 loaded
+                    // bytes); a broadcast load gives the same operands without the shuffle unit
+                    const int8_t * q8 = a->qs + sb * 64;
+                    __m256i iacc_0 = _mm256_setzero_si256();
+                    __m256i iacc_1 = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k++) {
+                        int32_t a4;
+                        memcpy(&a4, q8 + 4 * k, 4);
+                        iacc_0 = _mm256_add_epi16(iacc_0, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(a4)));
                     }
-                }
-                for (int r = 0; r < rows; r++) {
-                    const __m256 row_scale_f32 = _mm256_set1_ps((a_ptr_start + ((y0 + r) * nb) + b)->d);
-                    acc_row[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b[r]), _mm256_mul_ps(col_scale_f32, row_scale_f32), acc_row[r]);
-                    acc_min_rows[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_min_b[r]), _mm256_mul_ps(col_dmin_f32, row_scale_f32), acc_min_rows[r]);
+                    iacc_0 = _mm256_madd_epi16(iacc_0, scales_0);
+                    for (int k = 8; k < 16; k++) {
+                        int32_t a4;
+                        memcpy(&a4, q8 + 4 * k, 4);
+                        iacc_1 = _mm256_add_epi16(iacc_1, _mm256_maddubs_epi16(w[k], _mm256_set1_epi32(a4)));
+                    }
+                    iacc_1 = _mm256_madd_epi16(iacc_1, scales_1);
+
+                    const __m256i iacc_sb = _mm256_add_epi32(iacc_0, iacc_1);
+                    const __m256i q8s_sb = _mm256_shuffle_epi32(q8s[r], 0);
+                    const __m256i iacc_min_sb = _mm256_madd_epi16(q8s_sb, mins_01);
+                    q8s[r] = _mm256_bsrli_epi128(q8s[r], 4);
+                    iacc_b[r] = _mm256_add_epi32(iacc_b[r], iacc_sb);
+                    iacc_min_b[r] = _mm256_add_epi32(iacc_min_b[r], iacc_min_sb);
                 }
             }
-            for (int r = 0; r < rows; r++) {
-                const __m256 acc = _mm256_permutevar8x32_ps(acc_row[r], finalpermutemask);
-                _mm256_storeu_ps(s + ((y0 + r) * bs + x * 8), _mm256_sub_ps(acc, acc_min_rows[r]));
+            for (int r = 0; r < R; r++) {
+                const __m256 row_scale_f32 = _mm256_set1_ps((a_ptr_start + ((y0 + r) * nb) + b)->d);
+                acc_row[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b[r]), _mm256_mul_ps(col_scale_f32, row_scale_f32), acc_row[r]);
+                acc_min_rows[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_min_b[r]), _mm256_mul_ps(col_dmin_f32, row_scale_f32), acc_min_rows[r]);
             }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 acc = _mm256_permutevar8x32_ps(acc_row[r], finalpermutemask);
+            _mm256_storeu_ps(s + ((y0 + r) * bs + x * 8), _mm256_sub_ps(acc, acc_min_rows[r]));
         }
     }
 }
