@@ -9,7 +9,7 @@ its float partial sums per 64-value sub-block pair instead of per 256-value supe
 quantizes the activations four rows at a time. So exact mode had to split verification into chunks
 of at most 3 tokens, and on two cores a 3-token chunk costs ~2.6 one-token passes.
 
-What. Ten anchored edits of llama-cpp-python's vendored ggml in six files (:func:`edits`),
+What. Twelve anchored edits of llama-cpp-python's vendored ggml in seven files (:func:`edits`),
 applied to its source before the build (``build.py``):
 
 - ``ggml-cpu/arch/x86/repack.cpp`` (declared in ``repack.h``) gets ``ggml_gemv_rows_q4_K_8x8_q8_K``
@@ -26,6 +26,11 @@ applied to its source before the build (``build.py``):
   default target's LM head and half its ``ffn_down``) were already multiplied row by row, each
   row alone, by ``ggml_vec_dot_q6_K_q8_K``; the kernel does that arithmetic for up to 4 rows,
   bit for bit, unpacking the weights once;
+- ``ggml-cpu/ops.cpp`` (``native/flash_attn_rows.cpp``): while the switch is on, flash attention
+  with F16 K and V still computes every query row and head alone on one thread (what makes it
+  batch-invariant), but by blocks of 64 cached positions: vectorized exponentials and an FP32
+  accumulator instead of a scalar ``expf`` and an FP16 multiply-add per position (its numbers
+  differ from ggml's reference path in the last bits, the same in every pass of every width);
 - ``ggml-cpu/ggml-cpu.cpp``: the CPU backend's registry answers
   :data:`MARKER` (``ggml_backend_reg_get_proc_address``), so the runner can tell a patched build
   (:func:`specdecode.models.llamacpp.kernels.invariant_rows`) and verify any width in one pass.
@@ -45,8 +50,9 @@ from pathlib import Path
 MARKER = "ggml_backend_cpu_specdecode_invariant_rows"
 """The name a patched CPU backend's registry answers (an ``int (void)`` returning :data:`VERSION`)."""
 
-VERSION = 2
-"""What the marker function returns: this patch's version (2: Q6_K rows share their weights)."""
+VERSION = 3
+"""What the marker function returns: this patch's version (2: Q6_K rows share their weights; 3: the
+reference switch's attention by blocks of positions)."""
 
 NATIVE = Path(__file__).parent / "native"
 KERNEL_FILE = NATIVE / "gemv_rows_q4_K_8x8.cpp"
@@ -58,6 +64,8 @@ Q6_K_KERNEL_FILE = NATIVE / "vec_dot_rows_q6_K.c"
 """The AVX2 kernel inserted into ggml-cpu/arch/x86/quants.c."""
 Q6_K_HOOK_FILE = NATIVE / "mul_mat_rows_q6_K.c"
 """Its use, inserted into ggml-cpu/ggml-cpu.c's ``ggml_compute_forward_mul_mat_one_chunk``."""
+ATTENTION_FILE = NATIVE / "flash_attn_rows.cpp"
+"""The reference switch's attention by blocks of positions, inserted into ggml-cpu/ops.cpp."""
 
 GGML_CPU = Path("vendor/llama.cpp/ggml/src/ggml-cpu")
 """ggml's CPU backend inside llama-cpp-python's source tree."""
@@ -98,6 +106,15 @@ _VEC_DOT_Q6_K = (
 _MUL_MAT_TILE = """    // attempt to reduce false-sharing (does not seem to make a difference)
     // 16 * 2, accounting for mmla kernels
     float tmp[32];
+"""
+
+_ATTENTION_CALL = (
+    "                ggml_compute_forward_flash_attn_ext_f16_one_chunk(params, dst, ir0, ir1, 0, nek1, nullptr, 0);"
+)
+
+_ATTENTION_ROWS = """                if (use_ref && specdecode_flash_attn_rows_fits(dst)) {  // specdecode
+                    specdecode_flash_attn_rows(params, dst, ir0, ir1);
+                } else
 """
 
 _ONE_CHUNK = """        if (params->use_ref) {  // specdecode: batch-invariant rows
@@ -157,6 +174,12 @@ def edits() -> tuple[Edit, ...]:
             Q6_K_KERNEL_FILE.read_text() + "\n",
         ),
         Edit(GGML_CPU / "ggml-cpu.c", _MUL_MAT_TILE, Q6_K_HOOK_FILE.read_text(), after=True),
+        Edit(
+            GGML_CPU / "ops.cpp",
+            "static void ggml_compute_forward_flash_attn_ext_f16(\n",
+            ATTENTION_FILE.read_text(),
+        ),
+        Edit(GGML_CPU / "ops.cpp", _ATTENTION_CALL, _ATTENTION_ROWS),
         Edit(GGML_CPU / "ggml-cpu.cpp", "static void * ggml_backend_cpu_get_proc_address(", _MARKER_FN),
         Edit(GGML_CPU / "ggml-cpu.cpp", '    if (strcmp(name, "ggml_backend_cpu_set_use_ref") == 0) {', _MARKER_PROC),
     )
