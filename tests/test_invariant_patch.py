@@ -4,6 +4,7 @@ patch. That the built patch is invariant is tested on the real build (``test_lla
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,12 @@ def test_an_exact_cpu_model_verifies_wide_passes_only_on_a_patched_build(monkeyp
     )
 
     default = LlamaCppOptions()
+    on_cpu = dataclasses.replace(default, gpu_layers=0)  # what specdecode.load makes of --device cpu
     for answer, width in ((invariant_patch.VERSION, PATCHED_INVARIANT_TOKENS), (0, INVARIANT_TOKENS[True])):
         monkeypatch.setattr(kernels, "invariant_rows", lambda answer=answer: answer)
-        wide = options_for_build(default, on_gpu=False)
-        assert wide.invariant_tokens == width and not wide.invariant_tokens_given
+        for options in (default, on_cpu):
+            wide = options_for_build(options, on_gpu=False)
+            assert wide.invariant_tokens == width and not wide.invariant_tokens_given
     monkeypatch.setattr(kernels, "invariant_rows", lambda: invariant_patch.VERSION)
     for kept in (
         LlamaCppOptions(invariant_tokens=5),

@@ -139,11 +139,16 @@ class LlamaCppOptions:
     flash_attn: bool | None = None
     invariant_tokens: int | None = None
     gpu_layers: int = -1
-    invariant_tokens_given: bool = field(default=False, init=False, repr=False, compare=False)
-    """Whether ``invariant_tokens`` was the caller's (else the CPU default, replaced on a GPU)."""
+    invariant_tokens_given: bool | None = field(default=None, repr=False, compare=False)
+    """Whether ``invariant_tokens`` was the caller's (else the CPU default, which the patched build
+    widens and a GPU replaces); None: from ``invariant_tokens`` (given where not None). An init field
+    so that ``dataclasses.replace`` carries it: a copy with ``gpu_layers=0`` (``--device cpu``)
+    must not turn the filled-in default into the caller's (it did until 2026-11-28, keeping every
+    load through ``specdecode.load`` at chunks of 3 on the patched build)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "invariant_tokens_given", self.invariant_tokens is not None)
+        if self.invariant_tokens_given is None:
+            object.__setattr__(self, "invariant_tokens_given", self.invariant_tokens is not None)
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
@@ -169,9 +174,7 @@ def options_for_placement(options: LlamaCppOptions, all_layers_on_gpu: bool) -> 
     kernels (:mod:`specdecode.models.llamacpp.kernels`) are not used, since no pass runs on the CPU."""
     if not all_layers_on_gpu or not options.exact or options.invariant_tokens_given:
         return options
-    gpu = replace(options, invariant_tokens=GPU_INVARIANT_TOKENS)
-    object.__setattr__(gpu, "invariant_tokens_given", False)
-    return gpu
+    return replace(options, invariant_tokens=GPU_INVARIANT_TOKENS)  # still not the caller's
 
 
 GREEDY_FIRST_ROWS = 2
@@ -205,9 +208,7 @@ def options_for_build(options: LlamaCppOptions, on_gpu: bool) -> LlamaCppOptions
 
     if not invariant_rows():
         return options
-    wide = replace(options, invariant_tokens=PATCHED_INVARIANT_TOKENS)
-    object.__setattr__(wide, "invariant_tokens_given", False)
-    return wide
+    return replace(options, invariant_tokens=PATCHED_INVARIANT_TOKENS)  # still not the caller's
 
 
 class LlamaCppModel:
