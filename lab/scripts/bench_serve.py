@@ -327,7 +327,7 @@ class ServerProcess:
             command += ["--kv-budget-tokens", str(setup["kv_budget_tokens"])]
         command += ["--max-batch-size", str(args.max_batch_size), "--served-model-name", "bench"]
         command += ["--log-level", "info"]  # the cost model measured at start-up is logged
-        if mode != "off" and not args.reuse_costs:
+        if mode == "adaptive" and not args.reuse_costs:  # only adaptive measures a cost model
             command += ["--remeasure-costs"]  # each run measures its own table (serve would load a stored one)
         for flag in ("target", "draft"):
             if getattr(args, flag):
