@@ -206,3 +206,43 @@ def test_a_shut_gate_learns_from_the_drafts_it_withheld() -> None:
     assert partly.shadow_trials == 1
     a1, q = partly.acceptance("prompt_lookup", 3)
     assert a1 == pytest.approx((0.1 * 2 + 1) / 3) and q == pytest.approx((0.5 * 4 + 2) / (4 + 3))
+
+
+def patched_costs() -> PassCosts:
+    """The patched llama.cpp build's exact mode on the 2-core EPYC (2026-11-28): a call of n rows
+    costs ~20.9 + 12.1 n ms; a greedy pass stops after its first 2 rows (``chunk``), else computes the
+    rest in one more call (``then`` 64), so a completed pass of w rows costs c(2) + c(w - 2)."""
+
+    def call(n: int) -> float:
+        return 20.9 + 12.1 * n
+
+    measured = costs([call(1), call(2)] + [call(2) + call(w - 2) for w in range(3, 18)], chunk=2)
+    measured.then = 64
+    return measured
+
+
+def test_a_whole_pass_is_possible_only_where_it_saves_a_call() -> None:
+    patched = patched_costs()
+    assert [patched.whole_possible(w) for w in (1, 2, 3, 17, 64, 65)] == [False, False, True, True, True, False]
+    unpatched = costs([26.0, 49.0, 66.0], chunk=3)
+    unpatched.then = 3  # calls of 3 with or without the early stop
+    assert not any(unpatched.whole_possible(w) for w in range(1, 18))
+    assert not costs([10.0] * 17).whole_possible(5)  # torch: every row in one pass anyway
+    # a whole pass costs the early-stop pass less one call's fixed part (2 c(1) - c(2) = 20.9)
+    assert patched.whole_cost(9, 0.6) == pytest.approx(patched.ms[9] - 20.9)
+    patched.observe(9, 9, 0.100, 0.101, whole=True)  # measured whole passes are kept apart
+    assert patched.whole_cost(9, 0.6) == pytest.approx(100.0) and patched.ms[9] == pytest.approx(20.9 * 2 + 12.1 * 9)
+
+
+def test_the_gate_sends_a_likely_draft_whole_and_an_unlikely_one_with_the_early_stop() -> None:
+    """With a first token right 0.95 of the time a whole pass of a few tokens beats the early stop's
+    extra call; with 0.5 the early stop pays. Either way the gate keeps drafts that pay."""
+    likely = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9))
+    kept = likely.trim(draft(5))
+    assert len(kept) > 0 and not kept.early_stop
+    unlikely = DraftGate(patched_costs(), GateConfig(prior_first=(0.5,) * 5, prior_next=0.9))
+    kept = unlikely.trim(draft(5))
+    assert len(kept) > 0 and kept.early_stop
+    unpatched = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)
+    unpatched.then = 3
+    assert DraftGate(unpatched, GateConfig(prior_first=(0.95,) * 5, prior_next=0.9)).trim(draft(5)).early_stop

@@ -105,6 +105,8 @@ class PassCosts:
             ``capabilities.greedy_stop_rows``: llama.cpp's exact mode's invariant chunk, set by the
             engine), else learned from passes that stopped early; None: a pass computes all its rows.
         then: rows of each later chunk (``capabilities.greedy_stop_then``); None: as ``chunk``.
+        whole_ms: as ``ms``, for passes of 2+ rows the gate sent whole (``DraftTokens.early_stop``
+            False: one call where the early stop would have made two, see :meth:`whole_possible`).
     """
 
     ema: float = 0.2
@@ -112,6 +114,27 @@ class PassCosts:
     step_ms: float | None = None
     chunk: int | None = None
     then: int | None = None
+    whole_ms: list[float] = field(default_factory=lambda: [0.0] * (MAX_ROWS + 1))
+
+    def whole_possible(self, width: int) -> bool:
+        """Whether a greedy pass of ``width`` rows can skip its early stop and save a call: the
+        runner stops after ``chunk`` rows, then computes the rest in one call (``width <= chunk +
+        then``: llama.cpp's patched exact mode, first chunk 2, then up to 64), and without the
+        early stop computes all ``width`` in one (``width <= then``). Not where ``then`` is the
+        invariant chunk itself (an unpatched build's 3: calls of 3 either way)."""
+        chunk, then = self.chunk, self.then
+        return chunk is not None and then is not None and then > chunk and chunk < width <= then
+
+    def whole_cost(self, width: int, prior_slope: float) -> float | None:
+        """ms of a pass of ``width`` rows in one call: measured, else the early-stop pass's cost
+        (:meth:`cost`) less one call's fixed part ``2 c(1) - c(2)`` (passes cost a fixed part plus a
+        share per row); None while ``c(1)`` or ``c(2)`` is unmeasured."""
+        if self.whole_ms[width]:
+            return self.whole_ms[width]
+        split = self.cost(width, prior_slope)
+        if split is None or not self.ms[1] or not self.ms[2]:
+            return None
+        return split - max(0.0, 2 * self.ms[1] - self.ms[2])
 
     def chunk_ends(self, width: int) -> list[int]:
         """Where a greedy pass of ``width`` rows ends its chunks: ``chunk`` rows, then ``then``."""
@@ -121,7 +144,7 @@ class PassCosts:
         then = self.then or chunk
         return [chunk, *range(chunk + then, width, then), width]
 
-    def observe(self, width: int, rows: int, target_s: float, step_s: float) -> None:
+    def observe(self, width: int, rows: int, target_s: float, step_s: float, whole: bool = False) -> None:
         """One step: a pass fed ``width`` tokens, computed ``rows`` of them (fewer when it stopped
         early) in ``target_s`` seconds, the whole step taking ``step_s``.
 
@@ -133,6 +156,13 @@ class PassCosts:
         a shut gate learns nothing more (lab/notebook/2026-11-27-heldout-gate.md)."""
         if rows < 1 or rows > MAX_ROWS or target_s <= 0:
             return
+        if whole and rows > 1:  # one call the gate chose over the early stop: priced apart
+            before = self.whole_ms[rows]
+            ms = 1000 * target_s
+            self.whole_ms[rows] = ms if before == 0 else (1 - self.ema) * before + self.ema * ms
+            extra = 1000 * max(0.0, step_s - target_s)
+            self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
+            return
         old = self.ms[rows]
         self.ms[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
         if rows == 1 and old > 0:  # keep every width's cost relative to c(1) as measured
@@ -140,6 +170,8 @@ class PassCosts:
             for w in range(2, MAX_ROWS + 1):
                 if self.ms[w]:
                     self.ms[w] *= scale
+                if self.whole_ms[w]:
+                    self.whole_ms[w] *= scale
         extra = 1000 * max(0.0, step_s - target_s)
         self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
         if rows < width:
@@ -240,6 +272,13 @@ class DraftGate:
             start = end
         return tokens, cost + (self.costs.step_ms or 0.0)
 
+    def expected_whole(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
+        """As :meth:`expected`, for the pass of ``d + 1`` rows in one call, without the early stop
+        (:meth:`PassCosts.whole_possible`): the same expected tokens, the whole pass's cost."""
+        tokens = 1.0 + sum(a1 * q ** (i - 1) for i in range(1, d + 1))
+        ms = self.costs.whole_cost(d + 1, self.config.prior_slope)
+        return None if ms is None else (tokens, ms + (self.costs.step_ms or 0.0))
+
     def trim(self, draft: DraftTokens) -> DraftTokens:
         """The draft cut to the length with the best expected rate (possibly empty); a draft without
         ``evidence`` unchanged."""
@@ -252,18 +291,23 @@ class DraftGate:
         if plain is None:  # no one-token pass measured yet: draft as proposed
             return draft
         a1, q = self.acceptance(source, n)
-        best_d, best = 0, (1 + self.config.margin) * plain[0] / plain[1]
+        best_d, best, best_whole = 0, (1 + self.config.margin) * plain[0] / plain[1], False
         for d in range(1, len(draft) + 1):
             found = self.expected(a1, q, d)
             if found is not None and found[0] / found[1] > best:
-                best_d, best = d, found[0] / found[1]
+                best_d, best, best_whole = d, found[0] / found[1], False
+            whole = self.expected_whole(a1, q, d) if self.costs.whole_possible(d + 1) else None
+            if whole is not None and whole[0] / whole[1] > best:  # one call beats the early stop
+                best_d, best, best_whole = d, whole[0] / whole[1], True
         self.gated_tokens += len(draft) - best_d
         if best_d == 0:
             if self._shadow is None:  # score it against the tokens decoded next (:meth:`observe`)
                 self._shadow, self._shadow_matched = (bucket, [int(t) for t in draft.ids.tolist()]), 0
             return DraftTokens.empty()
         self._bucket = bucket
-        return draft if best_d == len(draft) else DraftTokens(draft.ids[:best_d], None, draft.evidence)
+        if best_d == len(draft) and not best_whole:
+            return draft
+        return DraftTokens(draft.ids[:best_d], None, draft.evidence, early_stop=not best_whole)
 
     def observe(self, drafted: int, accepted: int, tokens: torch.Tensor | Sequence[int] = ()) -> None:
         """After a step: ``accepted`` of the ``drafted`` tokens the gate sent were kept, and the step

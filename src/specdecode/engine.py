@@ -395,7 +395,9 @@ class SpeculativeGenerator:
             result = loop_steps.verify_truncate(state, draft, logits, hidden, target.truncate)  # 3.-4.
             n = result.num_accepted
             step_s = clock() - tic
-            self.pass_costs.observe(len(draft) + 1, int(logits.shape[0]), seconds, step_s)  # what passes cost here
+            self.pass_costs.observe(  # what passes cost here
+                len(draft) + 1, int(logits.shape[0]), seconds, step_s, whole=not draft.early_stop
+            )
             if proposer is not None:
                 schedule.update(len(draft), n, step_s, draft_time_s=toc - tic, tokens=result.tokens)
             stats.plain_steps, stats.fallbacks = schedule.plain_steps, schedule.fallbacks

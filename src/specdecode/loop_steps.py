@@ -103,8 +103,9 @@ def score(
         pass's seconds.
     """
     inputs = [s.step_input(d.ids) for s, d in zip(states, drafts, strict=True)]  # (k_b + 1,) each
-    hints = [  # a split pass compares with the raw argmax: no hint for a constrained row
-        d.ids if s.sampling.greedy and len(d) and s.constraint is None else None
+    hints = [  # a split pass compares with the raw argmax: no hint for a constrained row, nor where
+        # the draft gate chose one whole pass (``early_stop`` False)
+        d.ids if s.sampling.greedy and len(d) and s.constraint is None and d.early_stop else None
         for s, d in zip(states, drafts, strict=True)
     ]
     tic = clock()

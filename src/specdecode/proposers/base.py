@@ -97,11 +97,16 @@ class DraftTokens:
             (prompt lookup), ``(source, n)``, e.g. ``("prompt_lookup", 3)``: what the draft gate
             (:mod:`specdecode.draft_gate`) estimates its acceptance by; None for other drafts (never
             gated; a client's prediction among them).
+        early_stop: whether a greedy verification pass may stop after its first chunk where the
+            first drafted tokens are wrong (the runner's ``greedy_stop_rows``); False where the
+            draft gate found one whole pass cheaper in expectation (it then saves the chunk's
+            extra call).
     """
 
     ids: torch.Tensor
     probs: torch.Tensor | None = None
     evidence: tuple[str, int] | None = None
+    early_stop: bool = True
 
     @staticmethod
     def empty() -> DraftTokens:
@@ -113,7 +118,9 @@ class DraftTokens:
         probs = self.probs
         if self.ids.device.type == "cpu" and (probs is None or probs.device == device):
             return self
-        return DraftTokens(self.ids.cpu(), probs.to(device) if probs is not None else None, self.evidence)
+        return DraftTokens(
+            self.ids.cpu(), probs.to(device) if probs is not None else None, self.evidence, self.early_stop
+        )
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
