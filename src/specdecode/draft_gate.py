@@ -17,7 +17,11 @@ from this request's own evidence and this machine's own measured pass costs:
   verifies in chunks and stops after the first chunk whose argmax disagrees), the expected cost
   counts only the chunks expected to run (the runner declares its chunk: ``greedy_stop_rows``);
 - **decision**: keep the first d drafted tokens, d in 0 .. len(draft), maximizing expected tokens
-  per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate;
+  per expected millisecond; d = 0 (a plain step) unless that beats plain decoding's rate. Where the
+  runner's early stop costs a call of its own (llama.cpp's patched exact mode: 2 rows, then the rest
+  in a second call; :meth:`PassCosts.whole_possible`), each d is also priced as one whole call
+  without the early stop, and the better is kept (``DraftTokens.early_stop``): a draft likely right
+  saves the extra call's fixed part (~21 ms on the 2-core EPYC), an unlikely one keeps the stop;
 - **shadow check**: a draft the gate kept back entirely is still scored, free, against the tokens
   the target then decodes (greedy decoding is deterministic, so the tokens it emits are exactly
   what verifying the draft would have accepted): one withheld draft at a time, counted as a trial
