@@ -160,15 +160,13 @@ class PassCosts:
         a shut gate learns nothing more (lab/notebook/2026-11-27-heldout-gate.md)."""
         if rows < 1 or rows > MAX_ROWS or target_s <= 0:
             return
-        if whole and rows > 1:  # one call the gate chose over the early stop: priced apart
-            before = self.whole_ms[rows]
-            ms = 1000 * target_s
-            self.whole_ms[rows] = ms if before == 0 else (1 - self.ema) * before + self.ema * ms
-            extra = 1000 * max(0.0, step_s - target_s)
-            self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
+        extra = 1000 * max(0.0, step_s - target_s)
+        self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
+        table = self.whole_ms if whole and rows > 1 else self.ms  # a whole call is priced apart
+        old = table[rows]
+        table[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
+        if table is self.whole_ms:
             return
-        old = self.ms[rows]
-        self.ms[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
         if rows == 1 and old > 0:  # keep every width's cost relative to c(1) as measured
             scale = self.ms[1] / old
             for w in range(2, MAX_ROWS + 1):
@@ -176,8 +174,6 @@ class PassCosts:
                     self.ms[w] *= scale
                 if self.whole_ms[w]:
                     self.whole_ms[w] *= scale
-        extra = 1000 * max(0.0, step_s - target_s)
-        self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
         if rows < width:
             self.chunk = rows if self.chunk is None else min(self.chunk, rows)
 
@@ -205,6 +201,12 @@ class PassCosts:
             return self.ms[below] + one * prior_slope * (rows - below)
         t = (rows - below) / (above - below)
         return (1 - t) * self.ms[below] + t * self.ms[above]
+
+
+def _expected_tokens(a1: float, q: float, d: int) -> float:
+    """Tokens a step of d drafted tokens is expected to emit: the accepted drafts (draft i with
+    probability ``a1 q^(i-1)``) and the target's own token."""
+    return 1.0 + sum(a1 * q ** (i - 1) for i in range(1, d + 1))
 
 
 def _bucket(source: str, n: int) -> tuple[str, int]:
@@ -263,7 +265,7 @@ class DraftGate:
         def accepted_through(m: int) -> float:
             return 1.0 if m == 0 else a1 * q ** (m - 1)
 
-        tokens = 1.0 + sum(accepted_through(i) for i in range(1, d + 1))
+        tokens = _expected_tokens(a1, q, d)
         width, slope = d + 1, self.config.prior_slope
         ends = self.costs.chunk_ends(width)
         cost, start = 0.0, 0
@@ -279,9 +281,8 @@ class DraftGate:
     def expected_whole(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
         """As :meth:`expected`, for the pass of ``d + 1`` rows in one call, without the early stop
         (:meth:`PassCosts.whole_possible`): the same expected tokens, the whole pass's cost."""
-        tokens = 1.0 + sum(a1 * q ** (i - 1) for i in range(1, d + 1))
         ms = self.costs.whole_cost(d + 1, self.config.prior_slope)
-        return None if ms is None else (tokens, ms + (self.costs.step_ms or 0.0))
+        return None if ms is None else (_expected_tokens(a1, q, d), ms + (self.costs.step_ms or 0.0))
 
     def trim(self, draft: DraftTokens) -> DraftTokens:
         """The draft cut to the length with the best expected rate (possibly empty); a draft without
