@@ -279,6 +279,42 @@ def test_greedy_equals_plain_decoding_with_drafts_that_agree_fully_never_partly(
     assert rate > 0.95 if agree is None else (rate == 0.0 if agree == 0 else 0.1 < rate < 0.95), rate
 
 
+def test_the_gates_whole_passes_equal_plain_decoding(target, tokenizer, monkeypatch) -> None:
+    """The draft gate sends a likely draft as one whole call without the early stop
+    (``DraftTokens.early_stop`` False: no greedy hint) where the patched build's 2-row first chunk
+    would cost an extra call; with the 2-core EPYC's call costs fixed (~20.9 + 12.1 n ms) such passes
+    run, and the output is plain decoding's."""
+    from specdecode.draft_gate import PassCosts
+    from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
+
+    lookup = PromptLookupProposer(PromptLookupConfig(min_ngram=3, max_ngram=8))
+    spec = SpeculativeGenerator(target, tokenizer=tokenizer, proposer=lookup)
+    costs = PassCosts(ema=1e-9)  # the run's own timings barely move them
+    for w in range(1, 18):
+        costs.ms[w] = 20.9 + 12.1 * w if w <= 2 else (20.9 + 12.1 * 2) + (20.9 + 12.1 * (w - 2))
+    spec.pass_costs = costs
+    from specdecode.models.llamacpp.model import LlamaCppRunner
+
+    whole = []
+    forward = LlamaCppRunner.forward
+
+    def spy(self, input_ids, num_logits=1, return_hidden=False, greedy_draft=None):
+        whole.append(num_logits > 1 and greedy_draft is None)
+        return forward(self, input_ids, num_logits, return_hidden, greedy_draft)
+
+    copying = (  # an answer that copies the prompt: drafts right most of the time
+        "Here is a module:\n```python\n"
+        + "".join(f"def f{i}(x: int) -> int:\n    return x * {i} + {i % 7}\n\n" for i in range(6))
+        + "```\nRewrite every function so that it also accepts floats, and keep the same order."
+    )
+    ids = spec.encode_prompt(copying).tolist()
+    expected = plain_greedy(target, ids, 64, tokenizer)
+    monkeypatch.setattr(LlamaCppRunner, "forward", spy)
+    result = spec.generate(ids, SamplingParams(max_new_tokens=64))
+    assert result.token_ids == expected
+    assert any(whole), "no whole pass ran"
+
+
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "draft_model"])
 def test_greedy_speculation_equals_plain_decoding_on_real_prompts(target, draft, tokenizer, proposer) -> None:
     from specdecode.proposers import make_proposer
