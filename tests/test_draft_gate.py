@@ -246,3 +246,41 @@ def test_the_gate_sends_a_likely_draft_whole_and_an_unlikely_one_with_the_early_
     unpatched = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)
     unpatched.then = 3
     assert DraftGate(unpatched, GateConfig(prior_first=(0.95,) * 5, prior_next=0.9)).trim(draft(5)).early_stop
+
+
+def test_a_source_that_keeps_missing_is_withheld_until_a_shadow_check_hits() -> None:
+    """max_misses 2: after two drafts of a request missed at their first token, the source's drafts
+    are withheld where the estimate alone would still send them (a prediction's optimistic priors and
+    16-token drafts), and a withheld draft whose first token the target then decodes reopens it at
+    once; where a miss costs nothing (a flat curve) nothing is withheld. A prediction's draft is sent
+    whole or not at all, and its trials leave prompt lookup's estimates alone."""
+    gate = DraftGate(patched_costs())
+    for _ in range(2):
+        kept = gate.trim(draft(5, 16, "prediction"))
+        assert len(kept) == 16  # never shortened
+        gate.observe(16, 0, [999])
+    assert gate.acceptance("prediction", 5)[0] > 0.4  # the estimate alone would still send it
+    assert len(gate.trim(draft(5, 16, "prediction"))) == 0  # withheld: a shadow check
+    assert len(gate.trim(draft(5, 8))) > 0  # prompt lookup: another source
+    gate.observe(8, 8, list(range(9)))  # decodes 0 .. 8: the withheld prediction draft's first token was right
+    assert gate.shadow_trials == 0  # still matching, but the source reopened
+    assert len(gate.trim(draft(5, 16, "prediction"))) == 16
+    gate.observe(16, 16, list(range(17)))
+    assert gate.acceptance("prompt_lookup", 5)[1] == pytest.approx((0.8 * 4 + 7) / (4 + 7))  # its own 8 only
+    # the prediction's: its 15 later tokens and the shadow check's 8 of 9 (decoded 0 .. 8, then 0 for its 9)
+    assert gate.acceptance("prediction", 5)[1] == pytest.approx((0.95 * 4 + 15 + 8) / (4 + 15 + 9))
+
+    flat = DraftGate(costs([10.0] * 17))
+    for _ in range(3):
+        assert len(flat.trim(draft(5, 16, "prediction"))) == 16
+        flat.observe(16, 0, [999])
+    with pytest.raises(ValueError, match="max_misses"):
+        GateConfig(max_misses=0)
+
+
+def test_a_prediction_draft_without_the_early_stop_stays_so() -> None:
+    """The prediction proposer asks for one whole pass where its copy goes on; the gate keeps that
+    choice (it only decides whether to send the draft)."""
+    whole = DraftTokens(torch.arange(16, dtype=torch.int64), None, ("prediction", 5), early_stop=False)
+    kept = DraftGate(patched_costs()).trim(whole)
+    assert len(kept) == 16 and not kept.early_stop

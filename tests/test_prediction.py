@@ -101,7 +101,8 @@ def test_steps_draft_the_prediction_and_fall_back_where_it_has_nothing() -> None
     context = torch.tensor(prompt + [1, 2])
     draft = proposer.propose(context, 3, greedy, None)
     assert draft.ids.tolist() == [3, 4, 5] and draft.probs is None
-    assert draft.evidence is None  # a client's prediction is sent whole: the draft gate passes it unchanged
+    assert draft.evidence == ("prediction", CONFIG.start_ngram + 2)  # the gate sends it whole or withholds it
+    assert draft.early_stop  # the first step of a copy keeps the runner's early stop
     proposer.observe(VerifyResult(2, ids(3, 4, 9)))  # 3, 4 accepted; 9 instead of 5
     assert proposer.record.accepted_prediction_tokens == 2
     context = torch.tensor(prompt + [1, 2, 3, 4, 9])
@@ -214,14 +215,15 @@ def test_sampled_tokens_follow_the_target() -> None:
     """Temperature 0.8, top-k 9, top-p 0.95, k 2: each of the first three tokens with a prediction
     follows the exact target-only marginal (chi-square p > P_MIN, 1,500 seeded samples; with the
     pooling of stat_checks this detects a shift of about 0.05 in total variation at the likeliest
-    tokens). The prediction holds every token followed by two likely ones, so every step after the
-    first drafts two tokens, accepted part of the time (checked): positions 1 and 2 are accepted,
-    recovered or bonus tokens."""
+    tokens). The prediction starts with the two tokens likeliest at position 1 and then holds every
+    token followed by them, so every step drafts two tokens (the second from the start, after a
+    weak match: :func:`locate`), accepted part of the time (checked): positions 1 and 2 are
+    accepted, recovered or bonus tokens."""
     target = make_tiny_model(vocab_size=V_SMALL, seed=5, init=0.3)
     prompt = [3, 1, 4]
     exact = exact_marginals(target, prompt, 3, SAMPLED)
     likely = [int(t) for t in exact[1].argsort(descending=True)[:2]]
-    prediction = [t for v in range(V_SMALL) for t in (v, *likely)]
+    prediction = [*likely, *(t for v in range(V_SMALL) for t in (v, *likely))]
     generator = SpeculativeGenerator(target)
     samples = [
         generator.generate(
@@ -234,3 +236,41 @@ def test_sampled_tokens_follow_the_target() -> None:
     for pos in range(3):
         tokens = [r.token_ids[pos] for r in samples]
         assert chi_square_p(tokens, exact[pos]) > P_MIN, f"position {pos} differs from the target's"
+
+
+def test_an_answer_that_opens_with_a_line_of_its_own_starts_the_prediction_after_it() -> None:
+    """An answer that opens with a code fence (70, 71, then a newline 6 that recurs further into the
+    prediction) continues at the prediction's start, not after the newline's weak match; a match no
+    further than the answer's length (a copy with an edit) and any match once something is aligned
+    stand."""
+    prediction = ids(1, 2, 3, 4, 5, 6, 7, 8)
+    fence = ids(70, 71, 6)
+    assert locate(prediction, fence, 0, CONFIG) == (0, CONFIG.start_ngram)
+    assert locate(prediction, fence, 0, CONFIG, start=False) == (6, 1)
+    assert locate(prediction, ids(9, 2, 3), 0, CONFIG) == (3, 2)
+    assert locate(prediction, fence, 2, CONFIG) == (6, 1)
+
+
+def test_the_start_is_tried_once_and_a_copy_going_on_is_one_pass() -> None:
+    greedy = SamplingParams()
+    proposer = PredictionProposer(ids(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), None, prompt_len=2)
+    draft = proposer.propose(torch.tensor([60, 61, 70, 71, 6]), 4, greedy, None)
+    assert draft.ids.tolist() == [1, 2, 3, 4] and draft.early_stop
+    proposer.observe(VerifyResult(0, ids(80)))  # missed: the answer goes on with 80
+    draft = proposer.propose(torch.tensor([60, 61, 70, 71, 6, 80, 6]), 4, greedy, None)
+    assert draft.ids.tolist() == [7, 8, 9, 10]  # the start is not tried twice: the weak match stands
+
+    copying = PredictionProposer(ids(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), None, prompt_len=2)
+    draft = copying.propose(torch.tensor([60, 61, 1, 2]), 3, greedy, None)
+    assert draft.ids.tolist() == [3, 4, 5] and draft.early_stop
+    copying.observe(VerifyResult(3, ids(3, 4, 5, 6)))  # all accepted, and the target's own token copies too
+    draft = copying.propose(torch.tensor([60, 61, 1, 2, 3, 4, 5, 6]), 3, greedy, None)
+    assert draft.ids.tolist() == [7, 8, 9] and not draft.early_stop  # one pass without the early stop
+    copying.observe(VerifyResult(1, ids(7, 99)))  # a miss
+    draft = copying.propose(torch.tensor([60, 61, 1, 2, 3, 4, 5, 6, 7, 99, 8]), 3, greedy, None)
+    assert draft.ids.tolist() == [9, 10] and draft.early_stop
+
+    off = PredictionProposer(ids(1, 2, 3, 4, 5, 6), None, 2, PredictionConfig(whole_after_copy=False))
+    off.propose(torch.tensor([60, 61, 1]), 2, greedy, None)
+    off.observe(VerifyResult(2, ids(2, 3, 4)))
+    assert off.propose(torch.tensor([60, 61, 1, 2, 3, 4]), 2, greedy, None).early_stop

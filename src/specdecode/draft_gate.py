@@ -29,8 +29,17 @@ from this request's own evidence and this machine's own measured pass costs:
   stayed shut (live on HumanEval/0 on the 2-core EPYC: 64 drafted tokens, then none;
   lab/notebook/2026-11-27-heldout-gate.md).
 
-Drafts without evidence (a draft model's, EAGLE's, a client's prediction: sent whole, see
-:mod:`specdecode.proposers.prediction`) pass unchanged. Only greedy requests are gated:
+- **misses**: where a miss costs something (a draft's smallest pass over 2% dearer than a one-token
+  pass), a source whose first ``max_misses`` drafts of a request all missed (not one token
+  accepted) is withheld until a shadow check finds its first token right (scored as soon as that
+  token is decoded, not after the whole draft): the Beta estimates learn one bucket at a time and,
+  for a client's prediction, price a right draft at up to 16 tokens, so they would keep an
+  unrelated prediction's drafts for a dozen misses (~12 ms each on the 2-core EPYC).
+
+A client's prediction (``("prediction", n)``, :mod:`specdecode.proposers.prediction`) has priors of
+its own (an edit's answer copies it) and is never shortened: sent whole (with the early stop, or
+without where the proposer says the copy goes on) or withheld. Drafts without evidence (a draft
+model's, EAGLE's) pass unchanged. Only greedy requests are gated:
 the gate reads the clock, and a seeded sampled request must draw the same tokens every run (the
 draws it consumes depend on what is drafted). Lossless either way: the gate only shortens a
 deterministic draft, from what earlier steps showed.
@@ -52,6 +61,10 @@ import torch
 
 from specdecode.proposers.base import DraftTokens
 
+PREDICTION = "prediction"
+"""The evidence source of a client's prediction's drafts (:mod:`specdecode.proposers.prediction`):
+its own priors, higher than prompt lookup's (an edit's answer copies its prediction)."""
+
 MAX_ROWS = 128
 """Widths (rows computed per pass) whose cost is tracked."""
 
@@ -66,6 +79,13 @@ class GateConfig:
         prior_weight: trials of evidence behind each ``prior_first`` (> 0).
         prior_next: prior probability that a drafted token after an accepted one is accepted.
         prior_next_weight: trials behind ``prior_next`` (> 0).
+        prior_first_prediction, prior_next_prediction: as ``prior_first`` and ``prior_next``, for a
+            client's prediction (source :data:`PREDICTION`; the answer's start counts as a match of
+            4, a copy going on as 16, so 5+).
+        max_misses: a source's drafts are withheld (shadow checks only) once this many of a request's
+            drafts from it had no token accepted and none had one (>= 1); None: never. 2 by replay
+            (lab/scripts/gate_replay_split.py): a prediction unrelated to the answer then costs 1.2%
+            over prompt lookup alone on 22 held-out turns (2.4% with 4), the code edits lose nothing.
         prior_slope: before a width is measured, a pass of w rows costs ``c(1) * (1 + prior_slope *
             (w - 1))`` (2-core CPU: 0.55-0.9; a GPU: ~0.05). >= 0.
         margin: draft only when the expected rate beats plain decoding's by this fraction (>= 0).
@@ -79,20 +99,28 @@ class GateConfig:
     prior_weight: float = 2.0
     prior_next: float = 0.8
     prior_next_weight: float = 4.0
+    prior_first_prediction: tuple[float, float, float, float, float] = (0.6, 0.7, 0.8, 0.9, 0.95)
+    prior_next_prediction: float = 0.95
+    max_misses: int | None = 2
     prior_slope: float = 0.6
     margin: float = 0.0
     ema: float = 0.2
 
     def __post_init__(self) -> None:
-        if len(self.prior_first) != 5 or not all(0.0 <= p <= 1.0 for p in self.prior_first):
-            raise ValueError(f"prior_first must be 5 probabilities, got {self.prior_first!r}")
-        if not 0.0 <= self.prior_next <= 1.0:
-            raise ValueError(f"prior_next must be in [0, 1], got {self.prior_next!r}")
+        for name in ("prior_first", "prior_first_prediction"):
+            value = getattr(self, name)
+            if len(value) != 5 or not all(0.0 <= p <= 1.0 for p in value):
+                raise ValueError(f"{name} must be 5 probabilities, got {value!r}")
+        for name in ("prior_next", "prior_next_prediction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         for name in ("prior_weight", "prior_next_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.prior_slope < 0 or self.margin < 0:
             raise ValueError(f"prior_slope and margin must be >= 0, got {self.prior_slope!r}, {self.margin!r}")
+        if self.max_misses is not None and (not isinstance(self.max_misses, int) or self.max_misses < 1):
+            raise ValueError(f"max_misses must be None or an integer >= 1, got {self.max_misses!r}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
 
@@ -229,27 +257,36 @@ class DraftGate:
     def __init__(self, costs: PassCosts, config: GateConfig | None = None) -> None:
         self.costs = costs
         self.config = config or GateConfig()
-        c = self.config
         self._first: dict[tuple[str, int], list[float]] = {}
-        self._next = [c.prior_next * c.prior_next_weight, c.prior_next_weight]
+        self._next: dict[str, list[float]] = {}  # per source: [successes, trials] of a token after an accepted one
         self._bucket: tuple[str, int] | None = None
         self._shadow: tuple[tuple[str, int], list[int]] | None = None  # a withheld draft, its bucket
         self._shadow_matched = 0  # its tokens the target has decoded so far
+        self._hits: dict[str, list[int]] = {}  # per source: [drafts with a token accepted, drafts without]
         self.gated_tokens = 0
         self.shadow_trials = 0
 
     def _estimate(self, bucket: tuple[str, int]) -> list[float]:
         c = self.config
         if bucket not in self._first:
-            self._first[bucket] = [c.prior_first[bucket[1] - 1] * c.prior_weight, c.prior_weight]
+            prior = c.prior_first_prediction if bucket[0] == PREDICTION else c.prior_first
+            self._first[bucket] = [prior[bucket[1] - 1] * c.prior_weight, c.prior_weight]
         return self._first[bucket]
+
+    def _estimate_next(self, source: str) -> list[float]:
+        c = self.config
+        if source not in self._next:
+            prior = c.prior_next_prediction if source == PREDICTION else c.prior_next
+            self._next[source] = [prior * c.prior_next_weight, c.prior_next_weight]
+        return self._next[source]
 
     def acceptance(self, source: str, n: int) -> tuple[float, float]:
         """(a1, q) as this request's evidence stands: the probability that a draft of ``source``
         after an ``n``-token match (5 standing for 5 or more) has its first token accepted, and that
         a drafted token after an accepted one is."""
         successes, trials = self._estimate(_bucket(source, n))
-        return successes / trials, self._next[0] / self._next[1]
+        later, tried = self._estimate_next(source)
+        return successes / trials, later / tried
 
     def expected(self, a1: float, q: float, d: int) -> tuple[float, float] | None:
         """(expected tokens, expected ms) of a step drafting d tokens whose first is accepted with
@@ -297,11 +334,15 @@ class DraftGate:
             return draft
         a1, q = self.acceptance(source, n)
         best_d, best, best_whole = 0, (1 + self.config.margin) * plain[0] / plain[1], False
-        for d in range(1, len(draft) + 1):
-            found = self.expected(a1, q, d)
+        if self._shut(source) and self._misses_cost():
+            best = float("inf")  # withheld: only shadow checks until one would have been accepted
+        whole_only = source == PREDICTION and not draft.early_stop  # the proposer's own choice stands
+        for d in [len(draft)] if source == PREDICTION else range(1, len(draft) + 1):
+            found = None if whole_only else self.expected(a1, q, d)
             if found is not None and found[0] / found[1] > best:
                 best_d, best, best_whole = d, found[0] / found[1], False
-            whole = self.expected_whole(a1, q, d) if self.costs.whole_possible(d + 1) else None
+            whole_allowed = whole_only or (source != PREDICTION and self.costs.whole_possible(d + 1))
+            whole = self.expected_whole(a1, q, d) if whole_allowed else None
             if whole is not None and whole[0] / whole[1] > best:  # one call beats the early stop
                 best_d, best, best_whole = d, whole[0] / whole[1], True
         self.gated_tokens += len(draft) - best_d
@@ -330,17 +371,35 @@ class DraftGate:
             bucket, ids = self._shadow
             if token == ids[self._shadow_matched]:
                 self._shadow_matched += 1
+                if self._shadow_matched == 1:  # a hit: a shut source reopens now, not after the whole draft
+                    self._hits.setdefault(bucket[0], [0, 0])[0] += 1
                 if self._shadow_matched < len(ids):
                     continue
-            self._count(bucket, len(ids), self._shadow_matched)
+            self._count(bucket, len(ids), self._shadow_matched, tally=self._shadow_matched == 0)
             self._shadow = None
             self.shadow_trials += 1
 
-    def _count(self, bucket: tuple[str, int], drafted: int, accepted: int) -> None:
-        """One trial of a draft from ``bucket``: ``accepted`` of its ``drafted`` tokens right."""
+    def _shut(self, source: str) -> bool:
+        """Whether ``source`` has had ``max_misses`` drafts in this request and none of them had a
+        token accepted (its drafts are then withheld and scored by shadow checks only)."""
+        hits, misses = self._hits.get(source, (0, 0))
+        return self.config.max_misses is not None and hits == 0 and misses >= self.config.max_misses
+
+    def _misses_cost(self) -> bool:
+        """Whether a miss costs anything: the smallest pass a draft makes (the runner's first chunk,
+        else 2 rows) costs over 2% more than a one-token pass."""
+        one, least = self.costs.cost(1, self.config.prior_slope), self.costs.cost(self.costs.chunk or 2, 0.0)
+        return one is not None and least is not None and least > 1.02 * one
+
+    def _count(self, bucket: tuple[str, int], drafted: int, accepted: int, tally: bool = True) -> None:
+        """One trial of a draft from ``bucket``: ``accepted`` of its ``drafted`` tokens right (``tally``:
+        also in the source's hits and misses, unless a shadow check counted its hit already)."""
+        if tally:
+            self._hits.setdefault(bucket[0], [0, 0])[0 if accepted > 0 else 1] += 1
         first = self._estimate(bucket)
         first[0] += accepted > 0
         first[1] += 1
         if accepted > 0 and drafted > 1:
-            self._next[0] += accepted - 1
-            self._next[1] += min(accepted, drafted - 1)  # later positions tried: up to the first rejection
+            later = self._estimate_next(bucket[0])
+            later[0] += accepted - 1
+            later[1] += min(accepted, drafted - 1)  # later positions tried: up to the first rejection

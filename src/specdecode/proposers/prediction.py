@@ -15,7 +15,11 @@ follow the answer so far:
   forward through the file), as n-gram lookup does over the context;
 - **fallback**: where the prediction has nothing (no match, or its end was reached) the request's
   other proposer drafts (the generator's: prompt lookup by default on llama.cpp), at most
-  ``fallback_k`` tokens.
+  ``fallback_k`` tokens;
+- **gated**: a prediction draft carries evidence ``("prediction", n)`` (n the match length), so a
+  greedy request's draft gate (:mod:`specdecode.draft_gate`) sends it whole or withholds it: the
+  drafts of a prediction unrelated to the answer stop after two misses; and a draft that goes on
+  from a step that copied the prediction whole is sent in one pass, without the runner's early stop.
 
 Lossless as every proposer: the choice of draft depends on the context only and a prediction draft
 is deterministic (``probs=None``, one-hot q for the verifier), so greedy output is the target's own
@@ -38,6 +42,7 @@ from typing import Any
 
 import torch
 
+from specdecode.draft_gate import PREDICTION
 from specdecode.pass_observers import NO_DRAFT_PASSES, NO_PROPOSER, DraftPasses, ProposerInfo
 from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.sampling import SamplingParams
@@ -63,13 +68,18 @@ class PredictionConfig:
             ``window`` tokens after the last aligned position; longer ones anywhere.
         window: see ``near_ngram`` (tokens).
         max_spec_factor: after a match of n tokens draft at most ``ceil(max_spec_factor * n)``
-            tokens (k bounds it too): a re-synchronization on a short match drafts a little, a long
-            copy drafts up to k. The answer's start counts as a match of ``start_ngram`` tokens.
-            4 by replay (lab/scripts/lookup_gate_replay.py on 6 code edits, k 16): 8.2 tokens per
-            target pass against 7.6 with 2 (a re-synchronization ramps up to k in one step fewer).
+            tokens (k bounds it too). The answer's start counts as a match of ``start_ngram``
+            tokens. 16 (with k 16: every draft as long as k) by replay on the patched llama.cpp
+            build's costs (lab/scripts/gate_replay_split.py, 6 code edits, k 16: 2.10x priced over
+            plain decoding, mean acceptance length 12.9, against 2.05x and 11.3 with 4): its early
+            stop after 2 rows makes a wrong first token cheap whatever the draft's length, and the
+            draft gate withholds the drafts of a prediction unrelated to the answer.
         start_ngram: see ``max_spec_factor``.
         fallback_k: the most tokens the fallback proposer drafts in a step the prediction has
             nothing for; None: its own default k.
+        whole_after_copy: a draft that goes on from a step whose prediction draft was accepted
+            whole is sent as one pass without the early stop (``DraftTokens.early_stop`` False:
+            where the runner's early stop costs a call of its own, a long copy saves that call).
 
     Raises:
         ValueError: bounds outside the above (the message names the option).
@@ -79,9 +89,10 @@ class PredictionConfig:
     min_ngram: int = 1
     near_ngram: int = 3
     window: int = 64
-    max_spec_factor: float = 4.0
+    max_spec_factor: float = 16.0
     start_ngram: int = 4
     fallback_k: int | None = None
+    whole_after_copy: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "min_ngram", "near_ngram", "window", "start_ngram"):
@@ -170,7 +181,7 @@ def encode_prediction(
 
 
 def locate(
-    prediction: torch.Tensor, answer: torch.Tensor, last: int, config: PredictionConfig
+    prediction: torch.Tensor, answer: torch.Tensor, last: int, config: PredictionConfig, start: bool = True
 ) -> tuple[int, int] | None:
     """Where the prediction continues the answer: ``(position, match length)`` or None.
 
@@ -180,13 +191,19 @@ def locate(
     forward), else the nearest one before it. An n below ``near_ngram`` is trusted only within
     ``window`` tokens after ``last``. An empty answer continues at position 0 (a match of
     ``start_ngram`` tokens), and so does an answer that is the prediction's beginning so far (a
-    match of ``start_ngram`` + its length). Vectorised: one comparison of all windows per n.
+    match of ``start_ngram`` + its length), and, while nothing is aligned (``last`` 0), an answer
+    whose tail matches only in fewer than ``near_ngram`` tokens and further into the prediction than
+    the answer is long: an answer that opens with a line of its own (a code fence, "Here is the
+    file:") starts the prediction after it, and a weak match further on is a worse guess than the
+    start (a match no further than the answer's length is its copy with an edit, and stands). The
+    proposer asks for this once per request (``start``). Vectorised: one comparison of all windows per n.
 
     Args:
         prediction: int64 ``[L]``.
         answer: int64 ``[a]``, the tokens generated so far.
         last: the position in the prediction after the last token known to be aligned (0 .. L).
         config: :class:`PredictionConfig`.
+        start: whether a weak match may give way to the prediction's start (see above).
 
     Returns:
         ``(j, n)``: ``prediction[j - n : j] == answer[-n:]``, so ``prediction[j]`` is the predicted
@@ -205,7 +222,10 @@ def locate(
         if not ends.numel():
             continue
         ahead = ends[ends >= last]
-        return (int(ahead[0]) if ahead.numel() else int(ends[-1])), n
+        found = int(ahead[0]) if ahead.numel() else int(ends[-1])
+        if start and n < config.near_ngram and last == 0 and found > a:  # nothing aligned: the start beats a weak match
+            return 0, config.start_ngram
+        return found, n
     return None
 
 
@@ -280,6 +300,9 @@ class PredictionProposer(ProposerBase):
             self.fallback.reset()
         self._last = 0  # position in the prediction after the last aligned token
         self._drafted_at: int | None = None  # where this step's prediction draft starts (None: fallback)
+        self._drafted = 0  # its tokens
+        self._start_tried = False  # the start drafted after an answer that did not begin with it
+        self._copied = False  # the last step's prediction draft and the target's own token were all the prediction's
         self._accepted = torch.zeros(int(self.prediction.shape[0]), dtype=torch.bool)
         record = self.record
         record.accepted_prediction_tokens = record.prediction_steps = record.fallback_steps = 0
@@ -299,18 +322,20 @@ class PredictionProposer(ProposerBase):
             context: int64 ``[T]``, ``T >= prompt_len``: the prompt and the answer so far.
         """
         answer = context[self.prompt_len :]  # (a,)
-        found = locate(self.prediction, answer, self._last, self.config)
+        found = locate(self.prediction, answer, self._last, self.config, not self._start_tried)
         L = int(self.prediction.shape[0])
         if found is not None and found[0] < L:
             start, n = found
+            self._start_tried |= start == 0 and len(answer) > 0  # the start after a weak match: once
             length = min(num_tokens, math.ceil(self.config.max_spec_factor * n - 1e-9), L - start)
-            self._drafted_at = start
+            whole = self.config.whole_after_copy and self._copied and start == self._last + 1
+            self._drafted_at, self._drafted = start, length
             self.record.prediction_steps += 1
-            # no evidence: a client's prediction is sent whole, never shortened by the draft gate (gated, the 6
-            # code edits ran at 1.04-1.05x of llama-cpp-python exact and 1.12x fast; sent whole 1.14x and
-            # 1.26x: lab/notebook/2026-11-27-heldout-gate.md)
-            return DraftTokens(self.prediction[start : start + length].clone())
-        self._drafted_at = None
+            # evidence (PREDICTION, n): the draft gate sends it whole or withholds it, never shortens it (shortened,
+            # the 6 code edits ran at 1.04-1.05x of llama-cpp-python exact against 1.14x sent whole:
+            # lab/notebook/2026-11-27-heldout-gate.md); it withholds the drafts of an unrelated prediction
+            return DraftTokens(self.prediction[start : start + length].clone(), None, (PREDICTION, n), not whole)
+        self._drafted_at, self._copied = None, False
         if self.fallback is None:
             return DraftTokens.empty()
         self.record.fallback_steps += 1
@@ -334,6 +359,8 @@ class PredictionProposer(ProposerBase):
         self._accepted[start : start + n] |= kept
         self.record.accepted_prediction_tokens = int(self._accepted.sum())
         self._last = start + n
+        bonus = start + n < int(self.prediction.shape[0]) and int(result.tokens[n]) == int(self.prediction[start + n])
+        self._copied = n == self._drafted and bool(kept.all()) and bonus  # the answer still copies the prediction
 
 
 def with_prediction(
