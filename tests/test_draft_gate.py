@@ -284,3 +284,21 @@ def test_a_prediction_draft_without_the_early_stop_stays_so() -> None:
     whole = DraftTokens(torch.arange(16, dtype=torch.int64), None, ("prediction", 5), early_stop=False)
     kept = DraftGate(patched_costs()).trim(whole)
     assert len(kept) == 16 and not kept.early_stop
+
+
+def test_a_slow_wide_pass_barely_moves_its_cost() -> None:
+    """A timing spike of a wide pass (300 ms where 2 rows cost 45) is clipped at 1.2 rows c(1) and
+    raises the cost at a quarter of the moving average's weight, so a likely draft still goes; a
+    first measurement is clipped too; one-token passes and falling costs move as before."""
+    measured = patched_costs()
+    measured.ms[1], measured.ms[2] = 33.0, 45.0
+    measured.observe(2, 2, 0.300, 0.300)
+    assert measured.ms[2] == pytest.approx(0.95 * 45.0 + 0.05 * 1.2 * 2 * 33.0)
+    measured.observe(2, 2, 0.040, 0.040)
+    assert measured.ms[2] == pytest.approx(0.8 * (0.95 * 45.0 + 0.05 * 79.2) + 0.2 * 40.0)
+    fresh = PassCosts()
+    fresh.observe(1, 1, 0.033, 0.033)
+    fresh.observe(5, 5, 1.0, 1.0)
+    assert fresh.ms[5] == pytest.approx(1.2 * 5 * 33.0)
+    gate = DraftGate(measured, GateConfig(prior_first=(0.9,) * 5, prior_next=0.9))
+    assert len(gate.trim(draft(5))) > 0

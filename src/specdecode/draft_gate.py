@@ -61,6 +61,10 @@ import torch
 
 from specdecode.proposers.base import DraftTokens
 
+SPIKE_ROWS = 1.2
+"""A pass of w rows is taken to cost at most ``SPIKE_ROWS * w * c(1)`` (CPUs: at most ~w one-token
+passes; GPUs far less): beyond it, a timing spike."""
+
 PREDICTION = "prediction"
 """The evidence source of a client's prediction's drafts (:mod:`specdecode.proposers.prediction`):
 its own priors, higher than prompt lookup's (an edit's answer copies its prediction)."""
@@ -180,6 +184,12 @@ class PassCosts:
         """One step: a pass fed ``width`` tokens, computed ``rows`` of them (fewer when it stopped
         early) in ``target_s`` seconds, the whole step taking ``step_s``.
 
+        A pass of 2+ rows is taken at most at :data:`SPIKE_ROWS` ``* rows * c(1)``, and raises its
+        width's cost at a quarter of ``ema``: the gate measures a width only when it sends a draft
+        of it, so one slow pass (a hiccup of the host) would otherwise keep drafts back for many
+        steps (live once on the 2-core EPYC: a code edit's prediction withheld for 27 steps, 433
+        tokens). Costs that rise for good (a longer context) follow ``c(1)`` (below).
+
         A one-token pass also rescales every wider width's cost by the change of ``c(1)``: passes
         cost more as the context grows (attention), and the gate, once it stops sending wide drafts,
         measures only one-token passes; without the rescaling the wide widths kept what they cost
@@ -191,8 +201,13 @@ class PassCosts:
         extra = 1000 * max(0.0, step_s - target_s)
         self.step_ms = extra if self.step_ms is None else (1 - self.ema) * self.step_ms + self.ema * extra
         table = self.whole_ms if whole and rows > 1 else self.ms  # a whole call is priced apart
-        old = table[rows]
-        table[rows] = 1000 * target_s if old == 0 else (1 - self.ema) * old + self.ema * 1000 * target_s
+        old, ms = table[rows], 1000 * target_s
+        if rows > 1 and self.ms[1]:  # a wide pass's timing spike (the host, another process) is damped
+            ms = min(ms, SPIKE_ROWS * rows * self.ms[1])
+            weight = self.ema if ms <= old else self.ema / 4
+        else:
+            weight = self.ema
+        table[rows] = ms if old == 0 else (1 - weight) * old + weight * ms
         if table is self.whole_ms:
             return
         if rows == 1 and old > 0:  # keep every width's cost relative to c(1) as measured
