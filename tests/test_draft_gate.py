@@ -302,3 +302,19 @@ def test_a_slow_wide_pass_barely_moves_its_cost() -> None:
     assert fresh.ms[5] == pytest.approx(1.2 * 5 * 33.0)
     gate = DraftGate(measured, GateConfig(prior_first=(0.9,) * 5, prior_next=0.9))
     assert len(gate.trim(draft(5))) > 0
+
+
+def test_an_unmeasured_whole_call_is_priced_from_the_measured_ones() -> None:
+    """Live on the 2-core EPYC: whole calls of 3 rows measured (54.9 ms), of 4 not; the early-stop
+    pass of 4 (two calls of 2) 101.5 ms. From the whole calls and c(1) a call of 4 costs 66.4 ms
+    (measured elsewhere: 64), not 101.5 - 13.7 = 87.8, and right drafts go 3 at a time, not 2."""
+    live = patched_costs()
+    live.ms[1], live.ms[2], live.ms[4] = 31.9, 50.1, 101.5
+    live.whole_ms[3] = 54.9
+    assert live.whole_cost(4, 0.6) == pytest.approx(54.9 + (54.9 - 31.9) / 2)
+    assert live.whole_cost(3, 0.6) == pytest.approx(54.9)
+    live.whole_ms[9] = 130.0
+    assert live.whole_cost(6, 0.6) == pytest.approx(54.9 + (130.0 - 54.9) / 2)
+    gate = DraftGate(live, GateConfig(prior_first=(0.97,) * 5, prior_next=0.96, prior_next_weight=100.0))
+    kept = gate.trim(draft(5, 3))
+    assert len(kept) == 3 and not kept.early_stop

@@ -43,6 +43,7 @@ def main() -> None:
         args.questions or settings.get("questions"), settings.get("categories"), settings.get("prompts_per_category")
     )
     gen = SpeculativeGenerator.from_pretrained(backend="llamacpp", threads=args.threads)
+    gen.reuse_prompt = False  # both runs of a turn prefill: the second must not skip it
     tokenizer = gen.tokenizer
     sampling = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     gen.generate("Warm up.", sampling=SamplingParams(max_new_tokens=8))
