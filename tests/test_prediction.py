@@ -274,3 +274,25 @@ def test_the_start_is_tried_once_and_a_copy_going_on_is_one_pass() -> None:
     off.propose(torch.tensor([60, 61, 1]), 2, greedy, None)
     off.observe(VerifyResult(2, ids(2, 3, 4)))
     assert off.propose(torch.tensor([60, 61, 1, 2, 3, 4]), 2, greedy, None).early_stop
+
+
+def test_after_two_misses_the_fallback_drafts_until_the_answer_follows_the_prediction_again() -> None:
+    """Two prediction drafts rejected at their first token: the next step drafts with the fallback
+    even though the prediction has a match, and checks the prediction's next token (5) against the
+    step's first decoded token; once it agrees, the prediction drafts again."""
+    greedy = SamplingParams()
+    prompt = [9, 8, 7, 9]
+    for decoded, resumes in ((5, True), (6, False)):
+        proposer = PredictionProposer(ids(1, 2, 3, 4, 5, 6, 7, 8), PromptLookupProposer(), prompt_len=len(prompt))
+        assert proposer.propose(torch.tensor(prompt), 3, greedy, None).ids.tolist() == [1, 2, 3]
+        proposer.observe(VerifyResult(0, ids(3)))  # miss 1
+        assert proposer.propose(torch.tensor([*prompt, 3]), 3, greedy, None).ids.tolist() == [1, 2, 3]  # the start
+        proposer.observe(VerifyResult(0, ids(4)))  # miss 2
+        draft = proposer.propose(torch.tensor([*prompt, 3, 4]), 3, greedy, None)  # the prediction has (4, 2)
+        assert draft.evidence is None or draft.evidence[0] != "prediction"
+        assert proposer.record.fallback_steps == 1
+        proposer.observe(VerifyResult(0, ids(decoded)))
+        draft = proposer.propose(torch.tensor([*prompt, 3, 4, decoded]), 3, greedy, None)
+        assert (draft.ids.tolist() == [6, 7, 8]) == resumes
+    with pytest.raises(ValueError, match="max_misses"):
+        PredictionConfig(max_misses=0)

@@ -16,10 +16,13 @@ follow the answer so far:
 - **fallback**: where the prediction has nothing (no match, or its end was reached) the request's
   other proposer drafts (the generator's: prompt lookup by default on llama.cpp), at most
   ``fallback_k`` tokens;
+- **misses**: after ``max_misses`` (2) prediction drafts in a row rejected at their first token
+  (a prediction unrelated to the answer) the fallback drafts, until the prediction's next token is
+  the one the target decodes (checked every step, free);
 - **gated**: a prediction draft carries evidence ``("prediction", n)`` (n the match length), so a
-  greedy request's draft gate (:mod:`specdecode.draft_gate`) sends it whole or withholds it: the
-  drafts of a prediction unrelated to the answer stop after two misses; and a draft that goes on
-  from a step that copied the prediction whole is sent in one pass, without the runner's early stop.
+  greedy request's draft gate (:mod:`specdecode.draft_gate`) sends it whole or withholds it; and a
+  draft that goes on from a step that copied the prediction whole is sent in one pass, without the
+  runner's early stop.
 
 Lossless as every proposer: the choice of draft depends on the context only and a prediction draft
 is deterministic (``probs=None``, one-hot q for the verifier), so greedy output is the target's own
@@ -77,6 +80,10 @@ class PredictionConfig:
         start_ngram: see ``max_spec_factor``.
         fallback_k: the most tokens the fallback proposer drafts in a step the prediction has
             nothing for; None: its own default k.
+        max_misses: after this many prediction drafts in a row whose first token was rejected, the
+            fallback drafts instead, until the prediction's next token (checked every step, free:
+            the step's first decoded token) is the target's; None: never. A prediction unrelated to
+            the answer otherwise kept the fallback's drafts out wherever it had a weak match.
         whole_after_copy: a draft that goes on from a step whose prediction draft was accepted
             whole is sent as one pass without the early stop (``DraftTokens.early_stop`` False:
             where the runner's early stop costs a call of its own, a long copy saves that call).
@@ -92,6 +99,7 @@ class PredictionConfig:
     max_spec_factor: float = 16.0
     start_ngram: int = 4
     fallback_k: int | None = None
+    max_misses: int | None = 2
     whole_after_copy: bool = True
 
     def __post_init__(self) -> None:
@@ -106,6 +114,8 @@ class PredictionConfig:
         factor = self.max_spec_factor
         if not isinstance(factor, int | float) or isinstance(factor, bool) or not 0 < factor <= 64:
             raise ValueError(f"prediction option max_spec_factor must be a number in (0, 64], got {factor!r}")
+        if self.max_misses is not None and (not isinstance(self.max_misses, int) or self.max_misses < 1):
+            raise ValueError(f"prediction option max_misses must be None or an integer >= 1, got {self.max_misses!r}")
         if self.fallback_k is not None and (not isinstance(self.fallback_k, int) or self.fallback_k < 1):
             raise ValueError(f"prediction option fallback_k must be None or an integer >= 1, got {self.fallback_k!r}")
 
@@ -303,6 +313,8 @@ class PredictionProposer(ProposerBase):
         self._drafted = 0  # its tokens
         self._start_tried = False  # the start drafted after an answer that did not begin with it
         self._copied = False  # the last step's prediction draft and the target's own token were all the prediction's
+        self._misses = 0  # prediction drafts in a row whose first token was rejected
+        self._pending: int | None = None  # while they are too many: the prediction's next token this step
         self._accepted = torch.zeros(int(self.prediction.shape[0]), dtype=torch.bool)
         record = self.record
         record.accepted_prediction_tokens = record.prediction_steps = record.fallback_steps = 0
@@ -315,8 +327,9 @@ class PredictionProposer(ProposerBase):
         generator: torch.Generator | None,
     ) -> DraftTokens:
         """The prediction's next tokens after the answer (``probs=None``), at most ``num_tokens`` and
-        ``ceil(max_spec_factor * match length)``; else the fallback's draft of at most
-        ``min(num_tokens, fallback_k)`` tokens. See :meth:`~specdecode.proposers.base.Proposer.propose`.
+        ``ceil(max_spec_factor * match length)``; else (nothing there, or ``max_misses`` missed in a
+        row) the fallback's draft of at most ``min(num_tokens, fallback_k)`` tokens (see
+        :meth:`~specdecode.proposers.base.Proposer.propose`).
 
         Args:
             context: int64 ``[T]``, ``T >= prompt_len``: the prompt and the answer so far.
@@ -324,7 +337,11 @@ class PredictionProposer(ProposerBase):
         answer = context[self.prompt_len :]  # (a,)
         found = locate(self.prediction, answer, self._last, self.config, not self._start_tried)
         L = int(self.prediction.shape[0])
-        if found is not None and found[0] < L:
+        limit = self.config.max_misses
+        self._pending = None
+        if found is not None and found[0] < L and limit is not None and self._misses >= limit:
+            self._pending = int(self.prediction[found[0]])  # checked against the step's first token, not drafted
+        elif found is not None and found[0] < L:
             start, n = found
             self._start_tried |= start == 0 and len(answer) > 0  # the start after a weak match: once
             length = min(num_tokens, math.ceil(self.config.max_spec_factor * n - 1e-9), L - start)
@@ -351,10 +368,14 @@ class PredictionProposer(ProposerBase):
         hears about the steps it drafted."""
         start = self._drafted_at
         if start is None:
+            if self._pending is not None and int(result.tokens[0]) == self._pending:
+                self._misses = 0  # the answer follows the prediction again
+            self._pending = None
             if self.fallback is not None:
                 self.fallback.observe(result)
             return
         n = result.num_accepted
+        self._misses = self._misses + 1 if n == 0 else 0
         kept = self.prediction[start : start + n] == result.tokens[:n].cpu()  # (n,): a constraint may reshape drafts
         self._accepted[start : start + n] |= kept
         self.record.accepted_prediction_tokens = int(self._accepted.sum())
