@@ -277,22 +277,29 @@ def test_the_start_is_tried_once_and_a_copy_going_on_is_one_pass() -> None:
 
 
 def test_after_two_misses_the_fallback_drafts_until_the_answer_follows_the_prediction_again() -> None:
-    """Two prediction drafts rejected at their first token: the next step drafts with the fallback
-    even though the prediction has a match, and checks the prediction's next token (5) against the
-    step's first decoded token; once it agrees, the prediction drafts again."""
+    """Two prediction drafts rejected at their first token: the next steps draft with the fallback
+    even where the prediction has a match; after a strong match (3+ tokens) the prediction's next
+    token (6) is checked against the step's first decoded token, and once it agrees the prediction
+    drafts again; a weak match's next token is not checked (an unrelated prediction's common tokens
+    would reopen it)."""
     greedy = SamplingParams()
     prompt = [9, 8, 7, 9]
-    for decoded, resumes in ((5, True), (6, False)):
+    for decoded, resumes in ((6, True), (1, False)):
         proposer = PredictionProposer(ids(1, 2, 3, 4, 5, 6, 7, 8), PromptLookupProposer(), prompt_len=len(prompt))
         assert proposer.propose(torch.tensor(prompt), 3, greedy, None).ids.tolist() == [1, 2, 3]
         proposer.observe(VerifyResult(0, ids(3)))  # miss 1
         assert proposer.propose(torch.tensor([*prompt, 3]), 3, greedy, None).ids.tolist() == [1, 2, 3]  # the start
         proposer.observe(VerifyResult(0, ids(4)))  # miss 2
-        draft = proposer.propose(torch.tensor([*prompt, 3, 4]), 3, greedy, None)  # the prediction has (4, 2)
+        draft = proposer.propose(torch.tensor([*prompt, 3, 4]), 3, greedy, None)  # the prediction has (4, 2): weak
         assert draft.evidence is None or draft.evidence[0] != "prediction"
-        assert proposer.record.fallback_steps == 1
+        proposer.observe(VerifyResult(0, ids(5)))  # 5: the prediction's next token, but after a weak match
+        draft = proposer.propose(torch.tensor([*prompt, 3, 4, 5]), 3, greedy, None)  # (5, 3): strong, checked
+        assert draft.evidence is None or draft.evidence[0] != "prediction"
+        assert proposer.record.fallback_steps == 2
         proposer.observe(VerifyResult(0, ids(decoded)))
-        draft = proposer.propose(torch.tensor([*prompt, 3, 4, decoded]), 3, greedy, None)
-        assert (draft.ids.tolist() == [6, 7, 8]) == resumes
+        draft = proposer.propose(torch.tensor([*prompt, 3, 4, 5, decoded]), 3, greedy, None)
+        assert (draft.evidence is not None and draft.evidence[0] == "prediction") == resumes
+        if resumes:
+            assert draft.ids.tolist() == [7, 8]
     with pytest.raises(ValueError, match="max_misses"):
         PredictionConfig(max_misses=0)

@@ -17,8 +17,8 @@ follow the answer so far:
   other proposer drafts (the generator's: prompt lookup by default on llama.cpp), at most
   ``fallback_k`` tokens;
 - **misses**: after ``max_misses`` (2) prediction drafts in a row rejected at their first token
-  (a prediction unrelated to the answer) the fallback drafts, until the prediction's next token is
-  the one the target decodes (checked every step, free);
+  (a prediction unrelated to the answer) the fallback drafts, until the prediction's next token
+  after a strong match is the one the target decodes (checked every step, free);
 - **gated**: a prediction draft carries evidence ``("prediction", n)`` (n the match length), so a
   greedy request's draft gate (:mod:`specdecode.draft_gate`) sends it whole or withholds it; and a
   draft that goes on from a step that copied the prediction whole is sent in one pass, without the
@@ -81,9 +81,13 @@ class PredictionConfig:
         fallback_k: the most tokens the fallback proposer drafts in a step the prediction has
             nothing for; None: its own default k.
         max_misses: after this many prediction drafts in a row whose first token was rejected, the
-            fallback drafts instead, until the prediction's next token (checked every step, free:
-            the step's first decoded token) is the target's; None: never. A prediction unrelated to
-            the answer otherwise kept the fallback's drafts out wherever it had a weak match.
+            fallback drafts instead, until the prediction's next token after a match of at least
+            ``near_ngram`` tokens (checked every step, free: the step's first decoded token) is the
+            target's; None: never. A prediction unrelated to the answer otherwise kept the
+            fallback's drafts out wherever it had a weak match (measured on 14 held-out turns:
+            0.981x of no prediction without the rule, 0.998x with it checking after any match;
+            after strong matches only, replayed: HumanEval 1.995x -> 2.072x of plain decoding,
+            prompt lookup alone 2.132x).
         whole_after_copy: a draft that goes on from a step whose prediction draft was accepted
             whole is sent as one pass without the early stop (``DraftTokens.early_stop`` False:
             where the runner's early stop costs a call of its own, a long copy saves that call).
@@ -340,7 +344,8 @@ class PredictionProposer(ProposerBase):
         limit = self.config.max_misses
         self._pending = None
         if found is not None and found[0] < L and limit is not None and self._misses >= limit:
-            self._pending = int(self.prediction[found[0]])  # checked against the step's first token, not drafted
+            if found[1] >= self.config.near_ngram:  # a strong match: its next token is checked, not drafted
+                self._pending = int(self.prediction[found[0]])
         elif found is not None and found[0] < L:
             start, n = found
             self._start_tried |= start == 0 and len(answer) > 0  # the start after a weak match: once
