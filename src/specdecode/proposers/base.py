@@ -81,6 +81,12 @@ def default_num_speculative_tokens(proposer: object | None) -> int:
     return check_num_speculative_tokens(k, f"proposer {name!r}: default_num_speculative_tokens")
 
 
+PREDICTION = "prediction"
+"""The evidence source of a client's prediction's drafts (:mod:`specdecode.proposers.prediction`):
+the draft gate (:mod:`specdecode.draft_gate`) gives it priors of its own, higher than prompt
+lookup's (an edit's answer copies its prediction)."""
+
+
 @dataclass(frozen=True)
 class DraftTokens:
     """Tokens a proposer drafts for one step.

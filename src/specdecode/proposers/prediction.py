@@ -45,9 +45,8 @@ from typing import Any
 
 import torch
 
-from specdecode.draft_gate import PREDICTION
 from specdecode.pass_observers import NO_DRAFT_PASSES, NO_PROPOSER, DraftPasses, ProposerInfo
-from specdecode.proposers.base import DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
+from specdecode.proposers.base import PREDICTION, DraftTokens, Proposer, ProposerBase, default_num_speculative_tokens
 from specdecode.sampling import SamplingParams
 from specdecode.verify import VerifyResult
 
