@@ -85,7 +85,7 @@ class GateConfig:
         max_misses: a source's drafts are withheld (shadow checks only) once this many of a request's
             drafts from it had no token accepted and none had one (>= 1); None: never. 2 by replay
             (lab/scripts/gate_replay_split.py): a prediction unrelated to the answer then costs 1.2%
-            over prompt lookup alone on 22 held-out turns (2.4% with 4), the code edits lose nothing.
+            over prompt lookup alone on 22 held-out turns (1.9% with 4), the code edits lose nothing.
         prior_slope: before a width is measured, a pass of w rows costs ``c(1) * (1 + prior_slope *
             (w - 1))`` (2-core CPU: 0.55-0.9; a GPU: ~0.05). >= 0.
         margin: draft only when the expected rate beats plain decoding's by this fraction (>= 0).
