@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lookup_gate_replay import lcp
+from lookup_gate_replay import lcp, turn_prompt_ids
 
-from specdecode.bench.prompts import encode_chat, load_prompts
+from specdecode.bench.prompts import load_prompts
 from specdecode.draft_gate import DraftGate, GateConfig, PassCosts
 from specdecode.proposers.prediction import PredictionConfig, PredictionProposer, encode_prediction
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer
@@ -147,13 +147,7 @@ def main() -> None:
         prompt = prompts.get((qid, group))
         if prompt is None:
             continue
-        messages = []
-        for i, user in enumerate(prompt.turns[: turn + 1]):
-            messages.append({"role": "user", "content": user})
-            if i < turn:
-                previous = answers[(qid, group, i)]
-                messages.append({"role": "assistant", "content": tokenizer.decode(previous, skip_special_tokens=True)})
-        ids = encode_chat(tokenizer, messages)
+        ids = turn_prompt_ids(tokenizer, prompt, [answers[(qid, group, i)] for i in range(turn)])
         context = ids + answer
         plain = step_cost(0, 0, True, args.step_ms) * (len(answer) - 1)
         row = []

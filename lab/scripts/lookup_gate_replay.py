@@ -24,10 +24,11 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from specdecode.bench.prompts import encode_chat, load_prompts
+from specdecode.bench.prompts import Prompt, encode_chat, load_prompts
 from specdecode.cost.table import CostTable, load_cost_table
 from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.proposers.prompt_lookup import PromptLookupConfig, PromptLookupProposer, find_continuation
@@ -56,6 +57,17 @@ def step_cost(table: CostTable, d: int, n: int, chunk: int) -> float:
         cost += table.target(w)
         left -= w
     return cost + (table.step_ms or 0.0)
+
+
+def turn_prompt_ids(tokenizer: Any, prompt: Prompt, previous: list[list[int]]) -> list[int]:
+    """Token ids of the chat a turn was decoded from: the prompt's user turns up to this one, each
+    earlier one followed by the target's recorded answer to it (``previous``, in order)."""
+    messages = []
+    for i, user in enumerate(prompt.turns[: len(previous) + 1]):
+        messages.append({"role": "user", "content": user})
+        if i < len(previous):
+            messages.append({"role": "assistant", "content": tokenizer.decode(previous[i], skip_special_tokens=True)})
+    return encode_chat(tokenizer, messages)
 
 
 Policy = Callable[[torch.Tensor, int], list[int]]
@@ -170,13 +182,7 @@ def main() -> None:
         prompt = prompts.get((qid, group))
         if prompt is None:
             continue
-        messages = []
-        for i, user in enumerate(prompt.turns[: turn + 1]):
-            messages.append({"role": "user", "content": user})
-            if i < turn:
-                previous = answers[(qid, group, i)]
-                messages.append({"role": "assistant", "content": tokenizer.decode(previous, skip_special_tokens=True)})
-        ids = encode_chat(tokenizer, messages)
+        ids = turn_prompt_ids(tokenizer, prompt, [answers[(qid, group, i)] for i in range(turn)])
         plain = sum(step_cost(table, 0, 0, args.chunk) for _ in range(len(answer) - 1))
         pols = policies()
         for name, gate in pols.pop("_gate").items():  # a fresh gate per request
