@@ -301,5 +301,10 @@ def test_after_two_misses_the_fallback_drafts_until_the_answer_follows_the_predi
         assert (draft.evidence is not None and draft.evidence[0] == "prediction") == resumes
         if resumes:
             assert draft.ids.tolist() == [7, 8]
+    withheld = PredictionProposer(ids(1, 2, 3, 4, 5, 6, 7, 8), None, prompt_len=len(prompt))
+    for step in range(3):  # the draft gate kept the draft back (nothing verified), yet the answer copies it
+        assert withheld.propose(torch.tensor([*prompt, *range(1, step + 1)]), 3, greedy, None).ids.tolist()
+        withheld.observe(VerifyResult(0, ids(step + 1)))
+    assert withheld._misses == 0
     with pytest.raises(ValueError, match="max_misses"):
         PredictionConfig(max_misses=0)

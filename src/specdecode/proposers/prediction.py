@@ -379,7 +379,8 @@ class PredictionProposer(ProposerBase):
                 self.fallback.observe(result)
             return
         n = result.num_accepted
-        self._misses = self._misses + 1 if n == 0 else 0
+        # a miss: the step's first token is not the draft's (so also for a draft the gate withheld)
+        self._misses = 0 if int(result.tokens[0]) == int(self.prediction[start]) else self._misses + 1
         kept = self.prediction[start : start + n] == result.tokens[:n].cpu()  # (n,): a constraint may reshape drafts
         self._accepted[start : start + n] |= kept
         self.record.accepted_prediction_tokens = int(self._accepted.sum())
