@@ -236,10 +236,25 @@ def test_a_whole_pass_is_possible_only_where_it_saves_a_call() -> None:
 
 def test_the_gate_sends_a_likely_draft_whole_and_an_unlikely_one_with_the_early_stop() -> None:
     """With a first token right 0.95 of the time a whole pass of a few tokens beats the early stop's
-    extra call; with 0.5 the early stop pays. Either way the gate keeps drafts that pay."""
-    likely = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9))
+    extra call; with 0.5 the early stop pays. Either way the gate keeps drafts that pay. The first
+    draft of a source in a request keeps the early stop until one of them was right
+    (``whole_needs_hit``); a shadow check's hit counts as one."""
+    likely = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9, whole_needs_hit=False))
     kept = likely.trim(draft(5))
     assert len(kept) > 0 and not kept.early_stop
+    earned = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9))
+    for decoded in ([999], [0, 1, 2]):  # a miss, then a hit
+        kept = earned.trim(draft(5))
+        assert len(kept) > 0 and kept.early_stop
+        earned.observe(len(kept), len(decoded) - 1, decoded)
+    assert not earned.trim(draft(5)).early_stop
+    shadowed = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9, margin=100.0))
+    assert len(shadowed.trim(draft(5))) == 0  # withheld (the margin): a shadow check
+    shadowed.observe(0, 0, [0])  # its first token decoded: a hit
+    shadowed.config = GateConfig(prior_first=(0.95,) * 5, prior_next=0.9)
+    assert not shadowed.trim(draft(5)).early_stop
+    with pytest.raises(ValueError, match="whole_needs_hit"):
+        GateConfig(whole_needs_hit=1)  # type: ignore[arg-type]
     unlikely = DraftGate(patched_costs(), GateConfig(prior_first=(0.5,) * 5, prior_next=0.9))
     kept = unlikely.trim(draft(5))
     assert len(kept) > 0 and kept.early_stop
@@ -315,6 +330,7 @@ def test_an_unmeasured_whole_call_is_priced_from_the_measured_ones() -> None:
     assert live.whole_cost(3, 0.6) == pytest.approx(54.9)
     live.whole_ms[9] = 130.0
     assert live.whole_cost(6, 0.6) == pytest.approx(54.9 + (130.0 - 54.9) / 2)
-    gate = DraftGate(live, GateConfig(prior_first=(0.97,) * 5, prior_next=0.96, prior_next_weight=100.0))
+    config = GateConfig(prior_first=(0.97,) * 5, prior_next=0.96, prior_next_weight=100.0, whole_needs_hit=False)
+    gate = DraftGate(live, config)
     kept = gate.trim(draft(5, 3))
     assert len(kept) == 3 and not kept.early_stop

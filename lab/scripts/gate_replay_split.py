@@ -137,6 +137,7 @@ def main() -> None:
             key, value = part.split("=")
             parsed: Any = tuple(float(v) for v in value.split(",")) if "," in value else float(value)
             parsed = int(parsed) if value.isdigit() else parsed
+            parsed = bool(parsed) if isinstance(getattr(config, key), bool) else parsed
             config = replace(config, **{key: parsed})
         return cls(costs, config)
 

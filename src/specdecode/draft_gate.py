@@ -21,7 +21,9 @@ from this request's own evidence and this machine's own measured pass costs:
   runner's early stop costs a call of its own (llama.cpp's patched exact mode: 2 rows, then the rest
   in a second call; :meth:`PassCosts.whole_possible`), each d is also priced as one whole call
   without the early stop, and the better is kept (``DraftTokens.early_stop``): a draft likely right
-  saves the extra call's fixed part (~21 ms on the 2-core EPYC), an unlikely one keeps the stop;
+  saves the extra call's fixed part (~21 ms on the 2-core EPYC), an unlikely one keeps the stop
+  (and a source's drafts keep it until one of the request's drafts from it was right:
+  ``whole_needs_hit``);
 - **shadow check**: a draft the gate kept back entirely is still scored, free, against the tokens
   the target then decodes (greedy decoding is deterministic, so the tokens it emits are exactly
   what verifying the draft would have accepted): one withheld draft at a time, counted as a trial
@@ -86,6 +88,12 @@ class GateConfig:
             drafts from it had no token accepted and none had one (>= 1); None: never. 2 by replay
             (lab/scripts/gate_replay_split.py): a prediction unrelated to the answer then costs 1.2%
             over prompt lookup alone on 22 held-out turns (1.9% with 4), the code edits lose nothing.
+        whole_needs_hit: a draft other than a prediction goes as one whole call (no early stop) only
+            once one of this request's drafts from its source had its first token right (sent or
+            shadow-checked): before that the priors alone (0.7 after a 3-token match) would send a
+            request's first draft whole, and a miss then costs the whole pass (replayed on the
+            held-out turns, lab/scripts/gate_replay_split.py: the worst turn 0.953 -> 0.964 of plain
+            decoding, the worst category 0.981 -> 0.993, all turns 1.135 -> 1.126).
         prior_slope: before a width is measured, a pass of w rows costs ``c(1) * (1 + prior_slope *
             (w - 1))`` (2-core CPU: 0.55-0.9; a GPU: ~0.05). >= 0.
         margin: draft only when the expected rate beats plain decoding's by this fraction (>= 0).
@@ -102,6 +110,7 @@ class GateConfig:
     prior_first_prediction: tuple[float, float, float, float, float] = (0.6, 0.7, 0.8, 0.9, 0.95)
     prior_next_prediction: float = 0.95
     max_misses: int | None = 2
+    whole_needs_hit: bool = True
     prior_slope: float = 0.6
     margin: float = 0.0
     ema: float = 0.2
@@ -121,6 +130,8 @@ class GateConfig:
             raise ValueError(f"prior_slope and margin must be >= 0, got {self.prior_slope!r}, {self.margin!r}")
         if self.max_misses is not None and (not isinstance(self.max_misses, int) or self.max_misses < 1):
             raise ValueError(f"max_misses must be None or an integer >= 1, got {self.max_misses!r}")
+        if not isinstance(self.whole_needs_hit, bool):
+            raise ValueError(f"whole_needs_hit must be True or False, got {self.whole_needs_hit!r}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
 
@@ -372,7 +383,9 @@ class DraftGate:
             found = None if whole_only else self.expected(a1, q, d)
             if found is not None and found[0] / found[1] > best:
                 best_d, best, best_whole = d, found[0] / found[1], False
-            whole_allowed = whole_only or (source != PREDICTION and self.costs.whole_possible(d + 1))
+            whole_allowed = whole_only or (
+                source != PREDICTION and self.costs.whole_possible(d + 1) and self._whole_earned(source)
+            )
             whole = self.expected_whole(a1, q, d) if whole_allowed else None
             if whole is not None and whole[0] / whole[1] > best:  # one call beats the early stop
                 best_d, best, best_whole = d, whole[0] / whole[1], True
@@ -415,6 +428,11 @@ class DraftGate:
         token accepted (its drafts are then withheld and scored by shadow checks only)."""
         hits, misses = self._hits.get(source, (0, 0))
         return self.config.max_misses is not None and hits == 0 and misses >= self.config.max_misses
+
+    def _whole_earned(self, source: str) -> bool:
+        """Whether a draft of ``source`` may go as one whole call: always, or (``whole_needs_hit``)
+        once one of this request's drafts from it had its first token right (sent or shadow-checked)."""
+        return not self.config.whole_needs_hit or self._hits.get(source, (0, 0))[0] > 0
 
     def _misses_cost(self) -> bool:
         """Whether a miss costs anything: the smallest pass a draft makes (the runner's first chunk,
