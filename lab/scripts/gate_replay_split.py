@@ -76,14 +76,14 @@ class PooledGate(DraftGate):
     match also counts as a failure for shorter matches (they are no better), a right one as a
     success for longer matches (they are no worse)."""
 
-    def _count(self, bucket: tuple[str, int], drafted: int, accepted: int) -> None:
+    def _count(self, bucket: tuple[str, int], drafted: int, accepted: int, tally: bool = True) -> None:
         source, n = bucket
         for m in range(1, 6):
             if (accepted > 0 and m > n) or (accepted == 0 and m < n):
                 first = self._estimate((source, m))
                 first[0] += accepted > 0
                 first[1] += 1
-        super()._count(bucket, drafted, accepted)
+        super()._count(bucket, drafted, accepted, tally)
 
 
 def main() -> None:
