@@ -2,7 +2,7 @@
 # A GPU check in one command (docs/gpu.md).
 #
 #   bash lab/gpu/gpu_check.sh prepare [--no-llamacpp]   # HERE (PyPI access): fill .gpu/ with what travels
-#   bash lab/gpu/gpu_check.sh hold | restore            # HERE, around a device call: the drafter weights
+#   bash lab/gpu/gpu_check.sh hold [--slim] | restore   # HERE, around a device call: the drafter weights
 #                                                       # out of the checkout (it must stay under 64 MiB)
 #   bash lab/gpu/gpu_check.sh run [--llamacpp] [--budget S] [--cpu-dry-run]
 #                                                       # THERE (the GPU machine): install .gpu/wheels
@@ -139,7 +139,7 @@ run() {
 # the 64 MiB a device call carries, and the check does not use those weights: hold them outside the
 # checkout for the call (git then sees them deleted; nothing is committed), restore them after it.
 HOLD_DIR=${GPU_CHECK_HOLD:-$HOME/.cache/specdecode/held-drafters}
-hold() {
+hold() {  # --slim: lab/results too (~22 MiB of records), for calls that carry a model in parts
   local f n=0
   mkdir -p "$HOLD_DIR"
   for f in src/specdecode/data/drafters/*/model.safetensors; do
@@ -147,6 +147,10 @@ hold() {
     mkdir -p "$HOLD_DIR/$(dirname "$f")" && mv "$f" "$HOLD_DIR/$f" && n=$((n + 1))
   done
   echo "gpu_check: held $n drafter weight files in $HOLD_DIR (restore: bash lab/gpu/gpu_check.sh restore)"
+  if [ "${1:-}" = --slim ] && [ -d lab/results ]; then
+    [ -e "$HOLD_DIR/lab/results" ] && die "hold --slim: $HOLD_DIR/lab/results exists (restore first)"
+    mkdir -p "$HOLD_DIR/lab" && mv lab/results "$HOLD_DIR/lab/results" && echo "gpu_check: held lab/results"
+  fi
 }
 restore() {
   local f n=0
@@ -154,13 +158,17 @@ restore() {
     mkdir -p "$(dirname "${f#"$HOLD_DIR"/}")" && mv "$f" "${f#"$HOLD_DIR"/}" && n=$((n + 1))
   done < <(find "$HOLD_DIR" -name model.safetensors 2>/dev/null)
   echo "gpu_check: restored $n drafter weight files"
+  if [ -d "$HOLD_DIR/lab/results" ]; then
+    [ -e lab/results ] && die "restore: lab/results exists beside the held copy in $HOLD_DIR/lab/results"
+    mv "$HOLD_DIR/lab/results" lab/results && echo "gpu_check: restored lab/results"
+  fi
   git diff --quiet -- src/specdecode/data/drafters || die "drafter weights differ from git after restore"
 }
 
 case ${1:-} in
   prepare) shift; prepare "$@" ;;
   run) shift; run "$@" ;;
-  hold) hold ;;
+  hold) shift; hold "$@" ;;
   restore) restore ;;
-  *) die "usage: bash lab/gpu/gpu_check.sh prepare [--no-llamacpp] | hold | run [--llamacpp] [--compile] [--quick] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
+  *) die "usage: bash lab/gpu/gpu_check.sh prepare [--no-llamacpp] | hold [--slim] | run [--llamacpp] [--compile] [--quick] [--stages S] [--budget S] [--cpu-dry-run] | restore" ;;
 esac
