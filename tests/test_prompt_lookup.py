@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdecode import SamplingParams, SpeculativeGenerator
 from specdecode.proposers import PromptLookupConfig, PromptLookupProposer, make_proposer
-from specdecode.proposers.prompt_lookup import find_continuation, find_continuations
+from specdecode.proposers.prompt_lookup import find_continuation, find_continuations, find_match
 
 from conftest import constant_target, make_tiny_model
 from reference import exact_marginals, target_only_greedy
@@ -32,6 +34,31 @@ def test_prefers_a_recent_match_with_k_tokens_after_it() -> None:
     assert find_continuation(context, 2, 2, 1).tolist() == [6, 5]  # at 3: the most recent with 2 after it
     assert find_continuation(context, 1, 2, 1).tolist() == [6]
     assert find_continuation(context, 10, 2, 1).tolist() == [6, 5, 6, 5]  # none has 10: the earliest (1)
+
+
+def _brute_force_match(ids: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """find_match's rule written out window by window: the longest n with an earlier occurrence
+    (ending before the last token), its most recent start with k tokens after it, else the earliest."""
+    T = len(ids)
+    for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
+        starts = [s for s in range(T - n) if ids[s : s + n] == ids[T - n :]]
+        if starts:
+            full = [s for s in starts if s + n + k <= T]
+            start = (full[-1] if full else starts[0]) + n
+            return ids[start : start + k], n
+    return [], 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 3), min_size=1, max_size=40),  # a small vocabulary: many repeats
+    k=st.integers(1, 10),
+    ngrams=st.tuples(st.integers(1, 9), st.integers(0, 8)),
+)
+def test_the_candidate_search_equals_a_window_by_window_search(ids: list[int], k: int, ngrams: tuple[int, int]) -> None:
+    min_ngram, max_ngram = ngrams[0], ngrams[0] + ngrams[1]
+    tokens, n = find_match(t(ids), k, max_ngram, min_ngram)
+    assert (tokens.tolist(), n) == _brute_force_match(ids, k, max_ngram, min_ngram)
 
 
 def test_no_match_gives_an_empty_draft() -> None:
