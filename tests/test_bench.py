@@ -398,6 +398,23 @@ def test_bad_method_specs(name, message):
         expand([name], [3])
 
 
+def test_the_order_of_methods_rotates_per_prompt_and_repeat(models, questions):
+    """Each method takes each place in the round equally often (a cyclic Latin square): no method
+    always runs first, after another prompt's last method; each record says its place."""
+    from specdecode.bench.runner import method_order
+
+    variants = expand(["target", "prompt_lookup", "suffix"], [None])
+    labels = [v.label for v in variants]
+    rounds = [[v.label for v in method_order(variants, p, r)] for p in range(2) for r in range(3)]
+    assert rounds[0] == labels and rounds[1] == labels[1:] + labels[:1]
+    for place in range(3):
+        assert sorted(order[place] for order in rounds[:3]) == sorted(labels)
+    prompts = load_prompts(questions, "qa", None)[:1]
+    results = run_bench(models, prompts, variants, BenchSettings(max_new_tokens=4), repeats=3, progress=False)
+    seen = {(r["repeat"], r["position"]): r["method"] for r in results["records"]}
+    assert seen == {(r, place): rounds[r][place] for r in range(3) for place in range(3)}
+
+
 @pytest.mark.parametrize("reset", [True, False])
 def test_suffix_cache_is_cleared_before_every_prompt(models, questions, reset):
     """Repeat 1 of a prompt finds repeat 0's answer in the suffix cache only when the bench keeps

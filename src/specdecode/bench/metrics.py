@@ -1,8 +1,9 @@
 """Benchmark metrics: pure aggregation of per-turn records (no models, no clocks).
 
 A record is one turn of one prompt decoded by one method (``results.json``, ``records``): keys
-``question_id``, ``group``, ``turn``, ``repeat``, ``method``, ``settings``, ``new_tokens``,
-``wall_time_s``, ``token_ids`` and ``stats`` (a :meth:`SpecStats.to_dict`, None for a peer).
+``question_id``, ``group``, ``turn``, ``repeat``, ``position`` (the method's place in its round of
+methods), ``method``, ``settings``, ``new_tokens``, ``wall_time_s``, ``token_ids`` and ``stats`` (a
+:meth:`SpecStats.to_dict`, None for a peer).
 Every metric is computed per method and per category group, and over all groups (``"all"``);
 sums run over the records of that method and group. Terms as in docs/design.md §4.
 

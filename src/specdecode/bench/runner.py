@@ -1,6 +1,10 @@
 """The benchmark loop: every method on every prompt, interleaved, and ``results.json``.
 
-For each prompt and repeat, every method runs in turn (so machine drift hits all alike). A prompt
+For each prompt and repeat, every method runs in turn (so machine drift hits all alike), in an order
+rotated by one place per prompt and per repeat (:func:`method_order`): no method always runs first
+after another prompt's last method, or always right after the same one, so a cost of the place in
+the round (a cold cache, a context switched in) is spread over the methods instead of charged to one
+of them; each record says its ``position`` in the round. A prompt
 runs turn by turn: each turn's context holds the method's own previous answers. A warm-up
 generation per method comes before any timing. A peer that raises (at warm-up or later) is
 recorded as skipped with the reason and its records are dropped; our own methods' errors propagate.
@@ -88,10 +92,24 @@ def record_passes(variant: Variant, out: Any, prompt_tokens: int) -> dict[str, l
     return None
 
 
+def method_order(variants: Sequence[Variant], prompt_index: int, repeat: int) -> list[Variant]:
+    """The order the methods run in for prompt ``prompt_index`` (0-based) at ``repeat``: the given
+    order rotated left by ``prompt_index + repeat`` places (a cyclic Latin square over the rounds,
+    so each method takes each place equally often over every len(variants) consecutive rounds)."""
+    shift = (prompt_index + repeat) % len(variants) if variants else 0
+    return [*variants[shift:], *variants[:shift]]
+
+
 def run_turns(
-    models: BenchModels, prompt: Prompt, variant: Variant, settings: BenchSettings, repeat: int = 0
+    models: BenchModels,
+    prompt: Prompt,
+    variant: Variant,
+    settings: BenchSettings,
+    repeat: int = 0,
+    position: int = 0,
 ) -> list[Record]:
-    """Decode every turn of ``prompt`` with ``variant``; one record per turn (see metrics module)."""
+    """Decode every turn of ``prompt`` with ``variant``, run at ``position`` (0-based) in its round of
+    methods; one record per turn (see metrics module)."""
     messages: list[dict[str, str]] = []
     records = []
     if settings.reset_proposer_caches:
@@ -107,6 +125,7 @@ def run_turns(
                 "group": prompt.group,
                 "turn": turn,
                 "repeat": repeat,
+                "position": position,
                 "method": variant.label,
                 "settings": {**asdict(settings), "num_speculative_tokens": out.num_speculative_tokens},
                 "prompt_tokens": len(prompt_ids),
@@ -186,11 +205,11 @@ def run_bench(
                   f"{seconds / 60:.0f} min", file=sys.stderr)  # fmt: skip
         for repeat in range(repeats):
             seeded = replace(settings, seed=settings.seed + repeat)
-            for variant in variants:
+            for position, variant in enumerate(method_order(variants, index, repeat)):
                 bar.set_postfix_str(f"{prompt.group} {prompt.question_id} {variant.label}", refresh=False)
                 if variant.label not in skipped:
                     try:
-                        records += run_turns(models, prompt, variant, seeded, repeat)
+                        records += run_turns(models, prompt, variant, seeded, repeat, position)
                     except Exception as error:  # a peer's failure of any kind is recorded
                         _skip(error, variant, skipped, f"prompt {prompt.question_id}")
                         records = [r for r in records if r["method"] != variant.label]
