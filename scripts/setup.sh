@@ -31,13 +31,13 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/specdecode prepare --model smollm2
 # A smoke test before anything trusts the build: one decode of the default target in a child
 # process (specdecode.models.llamacpp.check). If that process dies, mark the build failed and build
-# the next flavour (cuda -> native -> portable: GGML_NATIVE=OFF, AVX2), then stop loudly: the library
+# the next flavour (cuda -> amx, if asked -> native -> portable: GGML_NATIVE=OFF, AVX2), then stop loudly: the library
 # would fall back to torch by itself.
 tries=0
 until .venv/bin/specdecode doctor --check; do
   flavour=$(.venv/bin/python src/specdecode/models/llamacpp/build.py flavour)
   tries=$((tries + 1))
-  if [ "$flavour" = portable ] || [ "$tries" -ge 3 ]; then
+  if [ "$flavour" = portable ] || [ "$tries" -ge 4 ]; then
     echo "setup: FAILED: llama.cpp crashes on this machine in every build tried (see above). specdecode" \
       "still runs on torch: pass --backend torch (--backend auto does so by itself, with a line on" \
       "stderr). Please report the output of \`.venv/bin/specdecode doctor\`." >&2

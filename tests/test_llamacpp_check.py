@@ -195,6 +195,7 @@ def _machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nvcc: bool, gpu: s
     monkeypatch.setattr(build.sys, "prefix", str(tmp_path))
     monkeypatch.delenv("CMAKE_ARGS", raising=False)
     monkeypatch.delenv(build.CUDA_OPT_OUT, raising=False)
+    monkeypatch.delenv(build.AMX_OPT_IN, raising=False)
     monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))
     monkeypatch.setattr(build, "compiler_version", lambda: "g++ 13.3")
     monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/bin/nvcc" if nvcc else None)
@@ -324,3 +325,26 @@ def test_the_check_reports_gpu_offload_and_doctor_the_builds_backend(
     _machine(monkeypatch, tmp_path, nvcc=True, gpu=None)  # the same record on a machine without a GPU
     lines = doctor.build_lines()
     assert "not for this machine" in lines[0] and "llama.cpp backend: cuda, CUDA architecture 90" in lines
+
+
+def test_the_amx_build_only_when_asked_for_on_a_cpu_with_amx_and_native_after_it_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SPECDECODE_LLAMA_AMX=1`` on a CPU with AMX: the ``amx`` flavour first (ggml's AMX kernels in,
+    no -mno-amx-*), under its own key; marked failed (its smoke test died), ``native`` with AMX out."""
+    _machine(monkeypatch, tmp_path, nvcc=False, gpu=None)
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(INTEL_AMX))
+    assert build.choose_flavour() == "native"  # not asked for
+    assert "not asked for" in build.amx_target()[1]
+    monkeypatch.setenv(build.AMX_OPT_IN, "1")
+    assert build.amx_target()[0] and build.choose_flavour() == "amx"
+    amx, native = build.build_spec("amx"), build.build_spec("native")
+    assert "-DGGML_AMX_INT8=ON" in amx["cmake_args"] and not any("-mno-amx" in a for a in amx["cmake_args"])
+    assert any("-mno-amx-int8" in a for a in native["cmake_args"]) and "-DGGML_AMX_INT8=ON" not in native["cmake_args"]
+    assert build.build_key(amx) != build.build_key(native)
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({"key": build.build_key(amx), "flavour": "amx"}))
+    assert build.mark_failed() == build.build_key(amx)
+    assert build.choose_flavour() == "native"
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))  # asked for, but no AMX here
+    ok, why = build.amx_target()
+    assert not ok and "amx_tile" in why and build.choose_flavour() == "native"

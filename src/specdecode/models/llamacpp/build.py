@@ -25,6 +25,12 @@ Flavours, tried in this order by ``install`` (``--flavour auto``, :func:`choose_
   off). ``SPECDECODE_LLAMA_CUDA=0`` opts out; a user's ``CMAKE_ARGS`` naming ``GGML_CUDA`` decide
   by themselves. A CUDA build that fails to compile, or whose smoke test fails, is marked failed
   and the next flavour is built (``native``), with a message: never a dead set-up.
+- ``amx``, only where the user opts in (``SPECDECODE_LLAMA_AMX=1``, :data:`AMX_OPT_IN`) on an x86-64
+  CPU with AMX tiles and int8 (:func:`amx_target`): the native flavour with ggml's AMX kernels in
+  (``-DGGML_AMX_INT8=ON``, no ``-mno-amx-*``). On the GPU machine's 16-core Xeon host they made
+  passes of 9 and 17 tokens 1.3x and 1.55x cheaper (docs/benchmarks.md); they crash on other Xeons
+  (above), so this build is never the default, and one whose smoke test fails is marked failed and
+  ``native`` is built next.
 - ``native``: ``-march=native``, AMX off (above).
 - ``portable``, if the native build fails its smoke test (:mod:`specdecode.models.llamacpp.check`):
   ``GGML_NATIVE=OFF`` with the instruction sets llama.cpp's own release builds use (AVX2, FMA,
@@ -70,7 +76,7 @@ PORTABLE_X86 = (
 )  # fmt: skip
 """The ``portable`` flavour on an x86-64 CPU with AVX2 (x86-64-v3, as llama.cpp's ``haswell`` variant)."""
 
-FLAVOURS = ("cuda", "native", "portable")
+FLAVOURS = ("cuda", "amx", "native", "portable")
 """In the order ``install --flavour auto`` tries them (a failed one is skipped on this machine)."""
 
 CUDA_FLAGS = ("-DGGML_CUDA=on", "-DGGML_CUDA_FA=OFF")
@@ -83,6 +89,17 @@ PATCH_OPT_OUT = "SPECDECODE_LLAMA_PATCH"
 """``SPECDECODE_LLAMA_PATCH=0`` (or ``false``, ``no``, ``off``): build llama.cpp's source as it is,
 without specdecode's batch-invariance patch (:mod:`invariant_patch`; exact mode then verifies in
 chunks of 3 tokens)."""
+
+AMX_OPT_IN = "SPECDECODE_LLAMA_AMX"
+"""``SPECDECODE_LLAMA_AMX=1`` (or ``true``, ``yes``, ``on``): build the ``amx`` flavour first where the
+CPU has AMX (:func:`amx_target`); off by default."""
+
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8")
+"""The CPU flags (/proc/cpuinfo) ggml's AMX kernels for quantized weights need."""
+
+AMX_CMAKE_ARGS = ("-DGGML_AMX_INT8=ON",)
+"""The ``amx`` flavour's addition to the native one's arguments (it names ``GGML_AMX``, so no
+:data:`NO_AMX_FLAGS` are added)."""
 
 CUDA_OPT_OUT = "SPECDECODE_LLAMA_CUDA"
 """``SPECDECODE_LLAMA_CUDA=0`` (or ``false``, ``no``, ``off``): never build the ``cuda`` flavour."""
@@ -251,7 +268,8 @@ def cmake_args(
 ) -> list[str]:
     """The CMake arguments of a build: the user's ``CMAKE_ARGS`` (``user``; default from the
     environment) first, then :data:`BASE_CMAKE_ARGS`, then the flavour's flags (``cuda``: the
-    native flavour's and :func:`cuda_cmake_args` of ``cuda_arch``, less any variable the user set).
+    native flavour's and :func:`cuda_cmake_args` of ``cuda_arch``, less any variable the user set;
+    ``amx``: the native flavour's and :data:`AMX_CMAKE_ARGS` unless the user set ``GGML_AMX``).
     On x86-64 with GCC or Clang, AMX is kept out (:data:`NO_AMX_FLAGS`) unless the user names a
     ``GGML_AMX`` setting. Where the compiler would link the C++ runtime statically,
     :func:`libstdcxx_link_dir`'s folder is added to the linker's search path (:data:`LINKER_FLAG_VARIABLES`).
@@ -270,6 +288,8 @@ def cmake_args(
         user_vars = _defined(args)
         args += [a for a in cuda_cmake_args(str(cuda_arch)) if _defined([a]).isdisjoint(user_vars)]
     x86 = cpu["machine"].lower() in ("x86_64", "amd64", "i686", "x86")
+    if flavour == "amx" and not any("GGML_AMX" in a for a in args):
+        args += list(AMX_CMAKE_ARGS)
     if flavour == "portable":
         if x86 and "avx2" in cpu["flags"]:
             args += [a for a in PORTABLE_X86 if a not in args]
@@ -352,6 +372,19 @@ def cuda_target() -> tuple[str | None, str]:
     return arch, f"{nvcc} and an NVIDIA GPU of compute capability {arch}"
 
 
+def amx_target(cpu: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """Whether ``install --flavour auto`` builds the ``amx`` flavour here: ``(yes, why)``. Yes only
+    where :data:`AMX_OPT_IN` opts in AND the CPU (``cpu``, default :func:`cpu_info`) is x86-64 with
+    :data:`AMX_CPU_FLAGS`."""
+    if os.environ.get(AMX_OPT_IN, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return False, f"not asked for ({AMX_OPT_IN}=1 asks)"
+    cpu = cpu or cpu_info()
+    missing = [f for f in AMX_CPU_FLAGS if f not in cpu["flags"]]
+    if cpu["machine"].lower() not in ("x86_64", "amd64") or missing:
+        return False, f"{AMX_OPT_IN} is set but this CPU has no AMX ({', '.join(missing) or cpu['machine']} missing)"
+    return True, f"{AMX_OPT_IN} is set and this CPU has AMX"
+
+
 def build_spec(flavour: str = "native", user: str | None = None, cuda_arch: str | None = None) -> dict[str, Any]:
     """Everything a build depends on: version, flavour, CMake arguments (``user``: the user's,
     default :func:`user_cmake_args`), CPU, compiler, Python; for ``cuda`` also the architecture
@@ -430,8 +463,8 @@ def failed_here(spec: dict[str, Any]) -> bool:
 
 def choose_flavour(verbose: bool = False) -> str:
     """The first flavour of :data:`FLAVOURS` for this machine not marked failed here: ``cuda``
-    where :func:`cuda_target` finds nvcc and a GPU, then ``native``, else ``portable``.
-    ``verbose``: say why the CUDA build is or is not made."""
+    where :func:`cuda_target` finds nvcc and a GPU, ``amx`` where :func:`amx_target` says so, then
+    ``native``, else ``portable``. ``verbose``: say why the CUDA and AMX builds are or are not made."""
     arch, why = cuda_target()
     if arch is not None:
         if not failed_here(build_spec("cuda", cuda_arch=arch)):
@@ -442,6 +475,14 @@ def choose_flavour(verbose: bool = False) -> str:
             print(f"llama.cpp: the CUDA build failed on this machine before; building for the CPU ({why})", flush=True)
     elif verbose and "nvcc" in why:
         print(f"llama.cpp: building for the CPU: {why}", flush=True)
+    amx, amx_why = amx_target()
+    if amx and not failed_here(build_spec("amx")):
+        if verbose:
+            print(f"llama.cpp: build with ggml's AMX kernels ({amx_why})", flush=True)
+        return "amx"
+    if verbose and (amx or AMX_OPT_IN in amx_why):
+        done = "failed its smoke test here before" if amx else amx_why
+        print(f"llama.cpp: no AMX build: {done}; AMX kernels left out", flush=True)
     return "portable" if failed_here(build_spec("native")) else "native"
 
 
@@ -467,12 +508,12 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
     the same key from the cache; else build one (pip's cache off) into ``<cache>/llama-cpp-builds/<key>/``. Returns the
     record (the spec plus ``key`` and ``wheel``).
 
-    A ``cuda`` build chosen by ``auto`` that fails to compile is marked failed here and the CPU
-    build is made instead, with a message (its smoke test is the set-up's, after this).
+    A ``cuda`` or ``amx`` build chosen by ``auto`` that fails to compile is marked failed here and
+    the next flavour is made instead, with a message (its smoke test is the set-up's, after this).
 
     Raises:
         subprocess.CalledProcessError: pip failed (the compiler's output is above it), for a CPU
-            flavour or an explicitly asked-for ``cuda``.
+            flavour or an explicitly asked-for ``cuda`` or ``amx``.
         ValueError: ``cuda`` asked for on a machine without an NVIDIA GPU.
     """
     auto = flavour == "auto"
@@ -489,13 +530,13 @@ def install(flavour: str = "auto", force: bool = False) -> dict[str, Any]:
         try:
             wheels = [_build_wheel(spec, key)]
         except subprocess.CalledProcessError as error:
-            if not (auto and flavour == "cuda"):
+            if not (auto and flavour in ("cuda", "amx")):
                 raise
-            mark_failed(key, f"the CUDA build failed to compile on this machine ({error})")
+            name, skip = ("CUDA", f"Set {CUDA_OPT_OUT}=0") if flavour == "cuda" else ("AMX", f"Unset {AMX_OPT_IN}")
+            mark_failed(key, f"the {name} build failed to compile on this machine ({error})")
             print(
-                f"llama.cpp: the CUDA build ({key}) FAILED to compile (its output is above); building for the "
-                f"CPU instead. Set {CUDA_OPT_OUT}=0 to skip the CUDA build; remove "
-                f"{folder} to try it again.",
+                f"llama.cpp: the {name} build ({key}) FAILED to compile (its output is above); building the next "
+                f"flavour instead. {skip} to skip the {name} build; remove {folder} to try it again.",
                 file=sys.stderr,
                 flush=True,
             )
