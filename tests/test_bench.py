@@ -203,6 +203,26 @@ def test_speedup_sum_and_mean_of_ratios():
     assert metrics.summarize(base + mine, ["target", "m"], greedy=False)["m"]["all"]["exact"] is None
 
 
+def test_greedy_repeats_count_once_per_turn_by_their_median_and_exactness_checks_every_repeat():
+    """Three greedy repeats per turn: the metrics take each turn's median repeat (a 10 s spike in one
+    repeat of ``m`` moves nothing), pairing methods whichever repeat was the median; ``exact`` fails
+    if any repeat differs. Sampled repeats are all summed."""
+    base = [{**record("target", 1, t), "repeat": r} for r, t in enumerate((4.0, 4.2, 3.9))]
+    mine = [{**record("m", 1, t), "repeat": r} for r, t in enumerate((2.1, 12.0, 2.0))]
+    summary = metrics.summarize(base + mine, ["target", "m"], greedy=True)["m"]["all"]
+    assert summary["speedup"] == pytest.approx(4.0 / 2.1) and summary["turns"] == 1
+    assert summary["wall_time_s"] == pytest.approx(2.1) and summary["exact"] == 1.0
+    picked = metrics.median_repeats(base + mine)
+    assert [(r["method"], r["wall_time_s"], r["repeat"], r["repeats"]) for r in picked] == [
+        ("target", 4.0, 0, 3),
+        ("m", 2.1, 0, 3),
+    ]
+    mine[1]["token_ids"] = [1, 3]  # the spike's repeat decoded other tokens
+    assert metrics.summarize(base + mine, ["target", "m"], greedy=True)["m"]["all"]["exact"] == 0.0
+    sampled = metrics.summarize(base + mine, ["target", "m"], greedy=False)["m"]["all"]
+    assert sampled["speedup"] == pytest.approx(12.1 / 16.1) and sampled["turns"] == 3
+
+
 def test_decode_speedup_leaves_the_shared_prefill_out():
     """Prefill 3 s in both; decoding 4 s (target) against 1 s: 4x after the first token, 7 / 4 end to end;
     a turn without a time to first token (a peer's) counts in neither."""

@@ -7,6 +7,12 @@ methods), ``method``, ``settings``, ``new_tokens``, ``wall_time_s``, ``token_ids
 Every metric is computed per method and per category group, and over all groups (``"all"``);
 sums run over the records of that method and group. Terms as in docs/design.md §4.
 
+Repeats of a greedy run (``bench --repeats N``) decode the same tokens N times: every metric but
+``exact`` counts each turn of each method once, by its repeat of median wall time
+(:func:`median_repeats`; the lower median for an even N, so that every field comes from one real
+run): a timing spike in one repeat moves a median little and a sum a lot. ``exact`` still compares
+every repeat. Repeats of a sampled run draw different tokens (seed + repeat) and are all summed.
+
 - ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
 - ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).
 - ``speedup_ci95``: ``[low, high]``, a 95% paired bootstrap interval of ``speedup`` over prompts:
@@ -61,6 +67,20 @@ ALL = "all"
 
 def _turn_key(record: Record) -> tuple[str, int, int]:
     return str(record["question_id"]), int(record["turn"]), int(record.get("repeat", 0))
+
+
+def median_repeats(records: Sequence[Record]) -> list[Record]:
+    """One record per (question, turn, method): a copy of the repeat of median wall time (the lower
+    median: a record as it was measured) with ``repeat`` 0, so that methods pair by turn whichever
+    repeat each picked, and ``repeats``, how many there were; in the order the first repeats came."""
+    runs: dict[tuple[str, int, str], list[Record]] = {}
+    for r in records:
+        runs.setdefault((str(r["question_id"]), int(r["turn"]), str(r["method"])), []).append(r)
+    picked = []
+    for same in runs.values():
+        by_time = sorted(same, key=lambda r: float(r["wall_time_s"]))
+        picked.append({**by_time[(len(by_time) - 1) // 2], "repeat": 0, "repeats": len(same)})
+    return picked
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -286,7 +306,8 @@ def summarize(
 
     Args:
         records: every record of the run; methods: the methods to summarize, in order.
-        greedy: whether the run was greedy (``exact`` is computed only then).
+        greedy: whether the run was greedy (``exact`` is computed only then, over every repeat; the
+            other metrics over each turn's median repeat, :func:`median_repeats`).
         baseline: the method the speedups and ``exact`` compare with (default ``target``).
 
     Raises:
@@ -295,15 +316,20 @@ def summarize(
     """
     check_baseline(baseline, list(dict.fromkeys(r["method"] for r in records)))
     groups = list(dict.fromkeys(r["group"] for r in records))
+    timed = median_repeats(records) if greedy else list(records)
+
+    def pick(rows: Sequence[Record], method: str, group: str) -> list[Record]:
+        return [r for r in rows if r["method"] == method and group in (ALL, r["group"])]
+
     summary: dict[str, dict[str, Any]] = {}
     for method in methods:
-        mine = [r for r in records if r["method"] == method]
-        if not mine:
+        if not pick(records, method, ALL):
             continue
         summary[method] = {}
         for group in [*groups, ALL]:
-            in_group = [r for r in mine if group in (ALL, r["group"])]
-            base = [r for r in records if r["method"] == baseline and group in (ALL, r["group"])]
-            if in_group:
-                summary[method][group] = method_metrics(in_group, base, greedy)
+            if in_group := pick(timed, method, group):
+                metrics = method_metrics(in_group, pick(timed, baseline, group), greedy)
+                if greedy:  # every repeat must be identical, not only the median one
+                    metrics["exact"] = exactness(pick(records, method, group), pick(records, baseline, group))
+                summary[method][group] = metrics
     return summary

@@ -86,7 +86,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="runs of every prompt, seed + repeat when sampling (default 1)",
+        help="runs of every prompt, seed + repeat when sampling (default 1); a greedy run's metrics take each "
+        "turn's median repeat",
     )
     b.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed of the first repeat (default 0)")
     b.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
@@ -232,7 +233,7 @@ def _print_prediction(results: dict[str, Any], path: str, baseline: str) -> None
 
     table = load_cost_table(path)
     records = results["records"]
-    prediction = predict(records, results["methods"], table, baseline)
+    prediction = predict(records, results["methods"], table, baseline, results.get("greedy", True))
     print()
     print(prediction_table(prediction, table, baseline, unpriced_drafts(records, table)), end="")
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.metrics import ALL, BASELINE, Record, speedups
+from specdecode.bench.metrics import ALL, BASELINE, Record, median_repeats, speedups
 
 DRAFT_KINDS = ("draft", "eagle", "medusa")
 """The draft-pass curves a table may give (``ProposerInfo.pass_kind``: a proposer's ``describe()``)."""
@@ -249,15 +249,23 @@ def _pick(records: Sequence[Record], method: str, group: str) -> list[Record]:
 
 
 def predict(
-    records: Sequence[Record], methods: Sequence[str], table: CostTable, baseline: str = BASELINE
+    records: Sequence[Record],
+    methods: Sequence[str],
+    table: CostTable,
+    baseline: str = BASELINE,
+    greedy: bool = True,
 ) -> dict[str, dict[str, dict[str, float | None]]]:
     """Predicted beside measured speedups over ``baseline``, per method and category group.
 
     Returns ``{method: {group: {"predicted": x, "measured": y}}}`` with groups in record order and
     ``"all"`` last: predicted = Σ priced seconds of ``baseline`` / Σ priced seconds of the method,
     measured = the same ratio of wall times, both over the turns both ran (and, for the prediction,
-    both priced). None where a method has no priced records.
+    both priced). None where a method has no priced records. A greedy run's repeats count once per
+    turn, by the repeat of median wall time (:func:`~specdecode.bench.metrics.median_repeats`), as in
+    the measured metrics.
     """
+    if greedy:
+        records = median_repeats(records)
     groups = [*dict.fromkeys(r["group"] for r in records), ALL]
     priced = []
     for r in records:
@@ -325,6 +333,6 @@ def prediction_results(results: Mapping[str, Any], table: CostTable, source: str
         "device": table.device,
         "step_ms": table.step_ms,
         "baseline": baseline,
-        "speedup": predict(results["records"], results["methods"], table, baseline),
+        "speedup": predict(results["records"], results["methods"], table, baseline, results.get("greedy", True)),
         "unpriced_drafts": unpriced_drafts(results["records"], table),
     }
