@@ -231,6 +231,8 @@ def test_decode_speedup_leaves_the_shared_prefill_out():
     assert metrics.decode_speedup(mine, base) == pytest.approx(4.0)
     assert metrics.speedups(mine[:1], base)[0] == pytest.approx(7 / 4)
     assert metrics.decode_speedup([record("peer", 1, 2.0)], base) is None
+    streamed = {**record("peer", 1, 5.0), "time_to_first_token_s": 3.0}  # llama-cpp-python's first token
+    assert metrics.decode_speedup([streamed], base) == pytest.approx(2.0)
     summary = metrics.summarize(base + mine, ["target", "m"], greedy=True)
     table = markdown({"records": base + mine, "methods": ["target", "m"]}, summary)
     assert "decode speedup (TPOT)" in table and "4.00x" in table
@@ -583,3 +585,32 @@ def test_prediction_method_drafts_from_the_prompt_prediction(models, tmp_path):
     variant = run_bench(models, [prompt], expand(["prediction(k=4)+ungated"], [None]), SETTINGS, progress=False,
                         warmup=False)["records"][0]  # fmt: skip
     assert variant["stats"]["accepted_prediction_tokens"] > 0 and variant["settings"]["num_speculative_tokens"] == 4
+
+
+def test_the_llamacpp_peer_stops_at_eos_or_the_limit_and_times_its_first_token():
+    """llama-cpp-python's plain generation as the bench drives it (a stand-in ``Llama``): from an
+    empty cache, greedy as temp 0, stopped at EOS or max_new_tokens, its first token timed as it
+    arrives (the peer's decode speedup needs it)."""
+    from types import SimpleNamespace
+
+    from specdecode.bench.methods import METHODS
+
+    class FakeLlama:
+        def __init__(self) -> None:
+            self.calls: list[tuple[list[int], float]] = []
+            self.resets = 0
+
+        def reset(self) -> None:
+            self.resets += 1
+
+        def generate(self, tokens, temp, **kwargs):
+            self.calls.append((list(tokens), temp))
+            yield from (5, 6, 7, 2, 9)  # 2: EOS
+
+    llm = FakeLlama()
+    models = SimpleNamespace(llama=lambda pred: llm, eos_token_ids=[2])
+    run = METHODS["llamacpp"].run
+    out = run(models, [1, 1], BenchSettings(max_new_tokens=8), None, None)
+    assert out.token_ids == [5, 6, 7, 2] and llm.calls == [([1, 1], 0.0)] and llm.resets == 1
+    assert 0 <= out.time_to_first_token_s <= out.wall_time_s
+    assert run(models, [1], BenchSettings(max_new_tokens=2), None, None).token_ids == [5, 6]

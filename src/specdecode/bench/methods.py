@@ -259,6 +259,8 @@ class MethodOutput:
             (:func:`specdecode.proposers.proposer_weight_bytes`), or None for a peer.
         num_speculative_tokens: the k it ran with (the sweep's, the method's own, or with neither
             the proposer's default), or None for a method without k.
+        time_to_first_token_s: seconds from the call to its first new token, for a peer that
+            streams (llama-cpp-python); ours is in ``stats``; None where not known.
     """
 
     token_ids: list[int]
@@ -266,6 +268,7 @@ class MethodOutput:
     stats: SpecStats | None = None
     proposer_bytes: int | None = None
     num_speculative_tokens: int | None = None
+    time_to_first_token_s: float | None = None
 
 
 RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None", "str | None"], MethodOutput]
@@ -426,14 +429,16 @@ def _llama_run(prompt_lookup: bool) -> RunFn:
         tic = time.perf_counter()
         llm.reset()
         new_ids: list[int] = []
+        first: float | None = None
         for token in llm.generate(
             prompt_ids, temp=settings.temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0
         ):
+            first = first if first is not None else time.perf_counter() - tic
             new_ids.append(int(token))
             if token in eos or len(new_ids) >= settings.max_new_tokens:
                 break
         wall = time.perf_counter() - tic
-        return MethodOutput(new_ids, wall, num_speculative_tokens=pred)
+        return MethodOutput(new_ids, wall, num_speculative_tokens=pred, time_to_first_token_s=first)
 
     return run
 

@@ -2,8 +2,8 @@
 
 A record is one turn of one prompt decoded by one method (``results.json``, ``records``): keys
 ``question_id``, ``group``, ``turn``, ``repeat``, ``position`` (the method's place in its round of
-methods), ``method``, ``settings``, ``new_tokens``, ``wall_time_s``, ``token_ids`` and ``stats`` (a
-:meth:`SpecStats.to_dict`, None for a peer).
+methods), ``method``, ``settings``, ``new_tokens``, ``wall_time_s``, ``time_to_first_token_s`` (None
+where not known), ``token_ids`` and ``stats`` (a :meth:`SpecStats.to_dict`, None for a peer).
 Every metric is computed per method and per category group, and over all groups (``"all"``);
 sums run over the records of that method and group. Terms as in docs/design.md §4.
 
@@ -26,7 +26,8 @@ every repeat. Repeats of a sampled run draw different tokens (seed + repeat) and
   token after the first (TPOT), i.e. of the decoding phase alone. The prefill (and its first token)
   is the same work for every method, and where answers are short next to their prompts it bounds
   ``speedup`` (Amdahl): with a share p of the target's time in the prefill, ``speedup`` is at most
-  ``1 / p``. None for peers (no statistics, so no time to first token).
+  ``1 / p``. None for peers that do not stream (transformers' ``generate``); llama-cpp-python's
+  first token is timed as it arrives (``time_to_first_token_s``).
 - ``tokens_per_s``: Σ new tokens / Σ wall time (tokens per second).
 - ``mean_acceptance_length``: 1 + Σ accepted tokens / Σ drafts (tokens gained per target pass
   that verified a draft, bonus or recovered token included).
@@ -182,8 +183,10 @@ def speedup_interval(
 
 
 def _decode_seconds(record: Record) -> float | None:
-    """Wall time after the first token (seconds), or None without a recorded time to first token."""
-    ttft = (record.get("stats") or {}).get("time_to_first_token_s")
+    """Wall time after the first token (seconds), or None without a recorded time to first token
+    (the record's ``time_to_first_token_s``, else its statistics')."""
+    ttft = record.get("time_to_first_token_s")
+    ttft = ttft if ttft is not None else (record.get("stats") or {}).get("time_to_first_token_s")
     return None if ttft is None else float(record["wall_time_s"]) - float(ttft)
 
 

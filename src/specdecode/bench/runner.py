@@ -131,6 +131,9 @@ def run_turns(
                 "prompt_tokens": len(prompt_ids),
                 "new_tokens": len(out.token_ids),
                 "wall_time_s": out.wall_time_s,
+                "time_to_first_token_s": (
+                    out.stats.time_to_first_token_s if out.stats is not None else out.time_to_first_token_s
+                ),
                 "stats": out.stats.to_dict() if out.stats is not None else None,
                 "proposer_weight_bytes": out.proposer_bytes,
                 "token_ids": out.token_ids,
