@@ -348,3 +348,21 @@ def test_the_amx_build_only_when_asked_for_on_a_cpu_with_amx_and_native_after_it
     monkeypatch.setattr(build, "cpu_info", lambda: dict(AMD))  # asked for, but no AMX here
     ok, why = build.amx_target()
     assert not ok and "amx_tile" in why and build.choose_flavour() == "native"
+
+
+def test_doctor_says_where_amx_could_be_built_and_warns_of_a_passive_openmp_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdecode.commands import doctor
+
+    _machine(monkeypatch, tmp_path, nvcc=False, gpu=None)
+    spec = build.build_spec("native")
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps({**spec, "key": build.build_key(spec)}))
+    assert not any("AMX" in line for line in doctor.build_lines())  # an AMD CPU: nothing to say
+    monkeypatch.setattr(build, "cpu_info", lambda: dict(INTEL_AMX))
+    assert any("AMX kernels: left out" in line and build.AMX_OPT_IN in line for line in doctor.build_lines())
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert doctor.openmp_line() is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "OMP_WAIT_POLICY=PASSIVE" in doctor.openmp_line()
+    assert doctor.openmp_line() in doctor.machine_lines()

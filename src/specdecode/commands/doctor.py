@@ -42,8 +42,23 @@ def _cores() -> str:
     return f"{default_threads()} usable of {os.cpu_count()}"
 
 
+def openmp_line() -> str | None:
+    """A warning when ``OMP_WAIT_POLICY`` asks OpenMP's threads to sleep between parallel regions
+    (``passive``): llama.cpp's CPU build runs its threads through OpenMP, and every pass then
+    waits for them to wake (one-token passes 33 -> 50 ms on the project's 2-core AMD EPYC,
+    lab/notebook/2026-11-28-rotated-repeats.md); None otherwise."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "")
+    if policy.strip().lower() != "passive":
+        return None
+    return (
+        f"environment: OMP_WAIT_POLICY={policy}: llama.cpp's threads sleep between passes "
+        "(measured 1.5x slower decoding on a 2-core CPU); unset it for speed"
+    )
+
+
 def machine_lines() -> list[str]:
-    """The CPU (model, cores, the flags of :data:`FLAGS_OF_INTEREST`), the OS, Python, torch and CUDA."""
+    """The CPU (model, cores, the flags of :data:`FLAGS_OF_INTEREST`), the OS, Python, torch and CUDA,
+    and a warning from :func:`openmp_line` where it has one."""
     import torch
 
     from specdecode.models.llamacpp.build import cpu_info
@@ -61,6 +76,8 @@ def machine_lines() -> list[str]:
             lines.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB (CUDA {torch.version.cuda})")
     else:
         lines.append("cuda: no CUDA device")
+    if (warning := openmp_line()) is not None:
+        lines.append(warning)
     return lines
 
 
@@ -70,10 +87,14 @@ def build_lines() -> list[str]:
     import importlib.metadata
 
     from specdecode.models.llamacpp.build import (
+        AMX_CPU_FLAGS,
+        amx_target,
         build_backend,
         build_key,
         build_spec,
+        cpu_info,
         cxx_runtime_line,
+        failed_here,
         installed_record,
     )
 
@@ -94,7 +115,7 @@ def build_lines() -> list[str]:
     except ValueError as error:  # a cuda record on a machine without a GPU
         same = f"not for this machine: {error}"
     arch = f", CUDA architecture {record['cuda_arch']}" if record.get("cuda_arch") else ""
-    return [
+    lines = [
         f"llama.cpp: llama-cpp-python {version}, {record.get('flavour')} build {record.get('key')} ({same})",
         f"llama.cpp backend: {backend}{arch}",
         f"llama.cpp CMAKE_ARGS: {' '.join(record.get('cmake_args', []))}",
@@ -102,6 +123,12 @@ def build_lines() -> list[str]:
         _patch_line(record),
         cxx_runtime_line(),
     ]
+    cpu = cpu_info()
+    if all(f in cpu["flags"] for f in AMX_CPU_FLAGS) and record.get("flavour") != "amx":
+        asked, why = amx_target(cpu)
+        why = f"{why}, but the amx build failed here" if asked and failed_here(build_spec("amx")) else why
+        lines.append(f"llama.cpp AMX kernels: left out; this CPU has AMX ({why}; docs/llamacpp.md#set-up)")
+    return lines
 
 
 def _patch_line(record: dict[str, Any]) -> str:
