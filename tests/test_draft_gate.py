@@ -293,6 +293,25 @@ def test_a_source_that_keeps_missing_is_withheld_until_a_shadow_check_hits() -> 
         GateConfig(max_misses=0)
 
 
+def test_misses_per_hit_shuts_a_source_again_after_a_reopening_hit() -> None:
+    """misses_per_hit: a source is withheld once its misses reach max_misses * (1 + hits), so a
+    shadow hit reopens it for a draft or two, not for the rest of the request; without it, one hit
+    opens it for good."""
+    for per_hit, shut_again in ((False, False), (True, True)):
+        gate = DraftGate(patched_costs(), GateConfig(misses_per_hit=per_hit))
+        for _ in range(2):
+            assert len(gate.trim(draft(5, 16, "prediction"))) == 16
+            gate.observe(16, 0, [999])
+        assert len(gate.trim(draft(5, 16, "prediction"))) == 0  # shut: a shadow check
+        gate.observe(0, 0, list(range(17)))  # the withheld draft all right: a hit, the source reopens
+        for _ in range(2):  # two more misses: 4 = 2 * (1 + 1 hit)
+            assert len(gate.trim(draft(5, 16, "prediction"))) == 16
+            gate.observe(16, 0, [999])
+        assert (len(gate.trim(draft(5, 16, "prediction"))) == 0) is shut_again
+    with pytest.raises(ValueError, match="misses_per_hit"):
+        GateConfig(misses_per_hit=1)  # type: ignore[arg-type]
+
+
 def test_a_prediction_draft_without_the_early_stop_stays_so() -> None:
     """The prediction proposer asks for one whole pass where its copy goes on; the gate keeps that
     choice (it only decides whether to send the draft)."""

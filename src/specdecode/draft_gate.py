@@ -34,7 +34,9 @@ from this request's own evidence and this machine's own measured pass costs:
 - **misses**: where a miss costs something (a draft's smallest pass over 2% dearer than a one-token
   pass), a source whose first ``max_misses`` drafts of a request all missed (not one token
   accepted) is withheld until a shadow check finds its first token right (scored as soon as that
-  token is decoded, not after the whole draft): the Beta estimates learn one bucket at a time and,
+  token is decoded, not after the whole draft), and again whenever its misses reach ``max_misses``
+  per hit plus ``max_misses`` (``misses_per_hit``: a source right less than a third of the time stays
+  shut between the shadow hits that reopen it): the Beta estimates learn one bucket at a time and,
   for a client's prediction, price a right draft at up to 16 tokens, so they would keep an
   unrelated prediction's drafts for a dozen misses (~12 ms each on the 2-core EPYC).
 
@@ -88,6 +90,14 @@ class GateConfig:
             drafts from it had no token accepted and none had one (>= 1); None: never. 2 by replay
             (lab/scripts/gate_replay_split.py): a prediction unrelated to the answer then costs 1.2%
             over prompt lookup alone on 22 held-out turns (1.9% with 4), the code edits lose nothing.
+        misses_per_hit: where ``max_misses`` is set, a source is also withheld once its misses
+            reach ``max_misses * (1 + hits)`` of this request (a hit: a draft, sent or
+            shadow-checked, whose first token was right): a source right less than once in
+            ``max_misses + 1`` drafts stays shut between the shadow hits that reopen it. False:
+            one hit opens it for the rest of the request. On by replay (lab/scripts/gate_replay_split.py,
+            2026-11-28): the held-out math turn whose shadow hits kept reopening prompt lookup for
+            misses 0.964 -> 0.973 of plain decoding (0.952 -> 0.976 with an unrelated prediction),
+            all held-out turns 1.126 -> 1.128, the 30-turn corpus and the code edits unchanged.
         whole_needs_hit: a draft other than a prediction goes as one whole call (no early stop) only
             once one of this request's drafts from its source had its first token right (sent or
             shadow-checked): before that the priors alone (0.7 after a 3-token match) would send a
@@ -110,6 +120,7 @@ class GateConfig:
     prior_first_prediction: tuple[float, float, float, float, float] = (0.6, 0.7, 0.8, 0.9, 0.95)
     prior_next_prediction: float = 0.95
     max_misses: int | None = 2
+    misses_per_hit: bool = True
     whole_needs_hit: bool = True
     prior_slope: float = 0.6
     margin: float = 0.0
@@ -130,8 +141,9 @@ class GateConfig:
             raise ValueError(f"prior_slope and margin must be >= 0, got {self.prior_slope!r}, {self.margin!r}")
         if self.max_misses is not None and (not isinstance(self.max_misses, int) or self.max_misses < 1):
             raise ValueError(f"max_misses must be None or an integer >= 1, got {self.max_misses!r}")
-        if not isinstance(self.whole_needs_hit, bool):
-            raise ValueError(f"whole_needs_hit must be True or False, got {self.whole_needs_hit!r}")
+        for name in ("whole_needs_hit", "misses_per_hit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema!r}")
 
@@ -425,9 +437,13 @@ class DraftGate:
 
     def _shut(self, source: str) -> bool:
         """Whether ``source`` has had ``max_misses`` drafts in this request and none of them had a
-        token accepted (its drafts are then withheld and scored by shadow checks only)."""
+        token accepted, or (``misses_per_hit``) ``max_misses * (1 + hits)`` misses (its drafts are
+        then withheld and scored by shadow checks only)."""
         hits, misses = self._hits.get(source, (0, 0))
-        return self.config.max_misses is not None and hits == 0 and misses >= self.config.max_misses
+        most = self.config.max_misses
+        if most is None:
+            return False
+        return misses >= most * (1 + hits) if self.config.misses_per_hit else hits == 0 and misses >= most
 
     def _whole_earned(self, source: str) -> bool:
         """Whether a draft of ``source`` may go as one whole call: always, or (``whole_needs_hit``)
