@@ -315,6 +315,10 @@ def real_pair(real_bf16_pair: Any) -> Any:
     return SpeculativeGenerator.from_loaded(real_bf16_pair)
 
 
+ONE_UNIT_FILES = frozenset({"test_serve_replicas.py"})
+"""Test files whose tests run in one worker as one unit: they share a module-scoped fixture that is
+dear to build (a local Ray cluster: 20-37 s to start on 2 cores), which two workers would each build."""
+
 REAL_MODEL_FILES = frozenset({
     "test_contract.py", "test_exact_bf16.py", "test_llamacpp.py", "test_llamacpp_check.py",
     "test_llamacpp_gpu_rules.py", "test_llamacpp_proposers.py", "test_llamacpp_tree.py", "test_logprobs_llamacpp.py",
@@ -329,14 +333,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     :data:`REAL_MODEL_FILES` runs in one worker, in collection order, and it starts first (the
     longest unit of work); every other test is a unit of its own, spread over the workers. So two
     workers never hold the real models at once (memory) nor run two llama.cpp thread pools on the
-    same cores, while the tiny models' tests, single-threaded, fill the other core. (A scheduler of
+    same cores, while the tiny models' tests, single-threaded, fill the other core; the tests of each
+    file in :data:`ONE_UNIT_FILES` are one unit too (their module fixture is built once). (A scheduler of
     our own rather than ``--dist loadgroup``: pytest 9.2 drops xdist's group suffix, pytest-xdist#1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class RealModelsInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "real_models" if Path(path).name in REAL_MODEL_FILES else nodeid
+            name = Path(nodeid.split("::", 1)[0]).name
+            if name in REAL_MODEL_FILES:
+                return "real_models"
+            return name if name in ONE_UNIT_FILES else nodeid
 
     return RealModelsInOneWorker(config, log)
 
@@ -365,3 +372,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if last:
         chosen = set(last)
         items[:] = [item for item in items if item not in chosen] + last
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """With ``SPECDECODE_TEST_CPU_TIMES=FILE``, append a line per test to FILE: its node id, the
+    CPU seconds this process and its waited-for children spent on it (setup, call and teardown:
+    every thread counts), and its wall seconds, tab-separated. The suite is CPU-bound on 2 cores, so
+    CPU time, not a test's duration under a busy neighbour, says what a test costs."""
+    out = os.environ.get("SPECDECODE_TEST_CPU_TIMES")
+    if not out:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    cpu_0, wall_0 = cpu(), time.perf_counter()
+    yield
+    with open(out, "a") as f:
+        f.write(f"{item.nodeid}\t{cpu() - cpu_0:.2f}\t{time.perf_counter() - wall_0:.2f}\n")

@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_SCRIPTS = {"setup.sh", "test.sh", "demo.sh"}
 NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                    ".ruff_cache", "bench-results", ".gpu", ".whl", ".gl")  # fmt: skip
+                                    ".ruff_cache", "bench-results", ".gpu", ".gpu-parts", ".whl", ".gl")  # fmt: skip
 
 
 def _digest(data: bytes) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import REAL_MODEL_FILES
+from conftest import ONE_UNIT_FILES, REAL_MODEL_FILES
 
 TESTS = Path(__file__).resolve().parent
 LOADS_REAL_MODELS = re.compile(
@@ -24,3 +24,12 @@ def test_every_file_that_loads_the_real_models_runs_in_the_real_models_worker() 
     assert loading <= REAL_MODEL_FILES, f"add to conftest.REAL_MODEL_FILES: {sorted(loading - REAL_MODEL_FILES)}"
     missing = {name for name in REAL_MODEL_FILES if not (TESTS / name).exists()}
     assert not missing, f"conftest.REAL_MODEL_FILES names files that are gone: {sorted(missing)}"
+
+
+def test_the_files_kept_in_one_unit_exist_and_share_a_module_fixture() -> None:
+    """``conftest.ONE_UNIT_FILES``: each names a file that is there and has a module-scoped fixture
+    (what keeping its tests together saves), and none is a real-model file (already one unit)."""
+    for name in ONE_UNIT_FILES:
+        text = (TESTS / name).read_text(encoding="utf-8")
+        assert '@pytest.fixture(scope="module")' in text, f"{name} has no module fixture to share"
+    assert not ONE_UNIT_FILES & REAL_MODEL_FILES
