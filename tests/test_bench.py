@@ -223,6 +223,24 @@ def test_greedy_repeats_count_once_per_turn_by_their_median_and_exactness_checks
     assert sampled["speedup"] == pytest.approx(12.1 / 16.1) and sampled["turns"] == 3
 
 
+def test_a_turn_of_another_length_counts_at_the_baselines_length():
+    """A peer whose output differs from ours in length (llama-cpp-python against exact mode) is
+    compared per token: twice the tokens in twice the time is the same speed, not half of it; turns
+    of equal length keep their measured seconds; the time after the first token is scaled by the
+    tokens after the first."""
+    base = [record("target", 1, 4.0, token_ids=(1, 2, 3, 4)), record("target", 2, 2.0, token_ids=(1, 2))]
+    longer = [record("peer", 1, 8.0, token_ids=tuple(range(8))), record("peer", 2, 1.0, token_ids=(5, 6))]
+    total, mean = metrics.speedups(longer, base)
+    assert total == pytest.approx(6.0 / (4.0 + 1.0)) and mean == pytest.approx((1.0 + 2.0) / 2)
+    assert metrics.speedup_interval(longer, base) is None  # 2 prompts: too few for an interval
+    timed = [{**record("peer", 1, 7.0, token_ids=tuple(range(7))), "time_to_first_token_s": 1.0}]
+    first = [{**record("target", 1, 4.0, token_ids=(1, 2, 3, 4)), "time_to_first_token_s": 1.0}]
+    assert metrics.decode_speedup(timed, first) == pytest.approx(1.0)  # 1 s a token after the first, both
+    equal = base[1:] + [record("target", 1, 4.0, token_ids=(1, 2))]
+    slower = [record("peer", 1, 8.0, token_ids=(9, 9)), record("peer", 2, 4.0, token_ids=(1, 2))]
+    assert metrics.speedups(slower, equal)[0] == pytest.approx(6.0 / 12.0)  # equal lengths: as measured
+
+
 def test_decode_speedup_leaves_the_shared_prefill_out():
     """Prefill 3 s in both; decoding 4 s (target) against 1 s: 4x after the first token, 7 / 4 end to end;
     a turn without a time to first token (a peer's) counts in neither."""

@@ -18,6 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import llama_cpp
 import torch
@@ -38,7 +39,7 @@ def main() -> None:
     peer = llama_cpp.Llama(str(gguf_path(None, "target")), n_ctx=2048, n_batch=512, n_threads=2, n_threads_batch=2,
                            flash_attn=True, verbose=False)  # fmt: skip
 
-    def runner_side(runner) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    def runner_side(runner: Any) -> tuple[Callable[[int], None], Callable[[int], None]]:
         def fill(length: int) -> None:
             runner.truncate(0)
             runner.forward(torch.tensor(ids[:length]))
@@ -49,7 +50,7 @@ def main() -> None:
 
         return fill, step
 
-    def direct_side(runner) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    def direct_side(runner: Any) -> tuple[Callable[[int], None], Callable[[int], None]]:
         fill, _ = runner_side(runner)
 
         def step(position: int) -> None:
@@ -91,7 +92,7 @@ def main() -> None:
                  for name in names]  # fmt: skip
         paired = {n: statistics.median(a / b for a, b in zip(times[n], times["peer"], strict=True)) for n in names}
         print(f"cached {length}: " + ", ".join(cells))
-        print(f"  paired per round, x of peer: " + ", ".join(f"{n} {v:.3f}" for n, v in paired.items()), flush=True)
+        print("  paired per round, x of peer: " + ", ".join(f"{n} {v:.3f}" for n, v in paired.items()), flush=True)
 
 
 if __name__ == "__main__":

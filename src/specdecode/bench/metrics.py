@@ -13,7 +13,12 @@ Repeats of a greedy run (``bench --repeats N``) decode the same tokens N times: 
 run): a timing spike in one repeat moves a median little and a sum a lot. ``exact`` still compares
 every repeat. Repeats of a sampled run draw different tokens (seed + repeat) and are all summed.
 
-- ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran.
+- ``speedup``: Σ wall time of ``target`` / Σ wall time of the method, over the turns both ran. A
+  turn whose new-token count differs from the baseline's (a peer's output that is not ours, e.g.
+  llama-cpp-python against exact mode, or a sampled run) counts at the baseline's length: the
+  method's seconds times the baseline's tokens / its own, so the ratio stays one of time per token
+  (before, such a turn compared answers of different lengths: a held-out qa turn read 0.89x by
+  time at 0.987x by tokens/s). Turns of equal length (identical outputs) are as measured.
 - ``speedup_mean``: the mean over prompts of that ratio per prompt (its turns and repeats summed).
 - ``speedup_ci95``: ``[low, high]``, a 95% paired bootstrap interval of ``speedup`` over prompts:
   prompts are drawn with replacement (each with its baseline's and the method's seconds, so the
@@ -22,7 +27,8 @@ every repeat. Repeats of a sampled run draw different tokens (seed + repeat) and
   measures the spread between prompts, the noise that decides whether two methods differ on these
   prompts; it does not cover a slower or faster machine. None with fewer than 3 prompts.
 - ``decode_speedup``: Σ (wall time - time to first token) of ``target`` / the same Σ of the method,
-  over the turns both ran with a recorded time to first token: the speedup of the time per output
+  over the turns both ran with a recorded time to first token (a turn of another length counted at
+  the baseline's, per token after the first, as for ``speedup``): the speedup of the time per output
   token after the first (TPOT), i.e. of the decoding phase alone. The prefill (and its first token)
   is the same work for every method, and where answers are short next to their prompts it bounds
   ``speedup`` (Amdahl): with a share p of the target's time in the prefill, ``speedup`` is at most
@@ -100,15 +106,31 @@ def predicted_speedup(alpha: float, k: int, c: float) -> float:
     return expected_tokens / (k * c + 1.0)
 
 
+def _at_baseline_length(seconds: float, tokens: int | None, baseline_tokens: int | None, first: int = 0) -> float:
+    """``seconds`` a record took for ``tokens`` new tokens (``first`` of them left out: 1 for the
+    time after the first token), scaled to the baseline's count (its time per token times the
+    baseline's tokens) where the two differ; unchanged where they are equal (identical outputs) or
+    either count is not recorded."""
+    if tokens is None or baseline_tokens is None:
+        return seconds
+    mine, theirs = tokens - first, baseline_tokens - first
+    if mine == theirs or mine <= 0 or theirs <= 0:
+        return seconds
+    return seconds * theirs / mine
+
+
 def _paired_seconds(records: Sequence[Record], baseline: Sequence[Record]) -> dict[str, list[float]]:
-    """``{question_id: [baseline seconds, method seconds]}``, summed over the turns and repeats both ran."""
-    base = {_turn_key(r): float(r["wall_time_s"]) for r in baseline}
+    """``{question_id: [baseline seconds, method seconds]}``, summed over the turns and repeats both
+    ran; a turn whose new-token count differs from the baseline's is counted at the baseline's
+    length (:func:`_at_baseline_length`)."""
+    base = {_turn_key(r): (float(r["wall_time_s"]), r.get("new_tokens")) for r in baseline}
     per_prompt: dict[str, list[float]] = {}
     for r in records:
         if _turn_key(r) in base:
+            seconds, tokens = base[_turn_key(r)]
             sums = per_prompt.setdefault(_turn_key(r)[0], [0.0, 0.0])
-            sums[0] += base[_turn_key(r)]
-            sums[1] += float(r["wall_time_s"])
+            sums[0] += seconds
+            sums[1] += _at_baseline_length(float(r["wall_time_s"]), r.get("new_tokens"), tokens)
     return per_prompt
 
 
@@ -193,13 +215,13 @@ def _decode_seconds(record: Record) -> float | None:
 def decode_speedup(records: Sequence[Record], baseline: Sequence[Record]) -> float | None:
     """``decode_speedup`` of ``records`` over ``baseline`` (see module doc): a ratio of seconds after
     the first token, over the turns both ran with a time to first token. None when none matches."""
-    base = {_turn_key(r): _decode_seconds(r) for r in baseline}
+    base = {_turn_key(r): (_decode_seconds(r), r.get("new_tokens")) for r in baseline}
     theirs, mine = 0.0, 0.0
     for r in records:
-        before, after = base.get(_turn_key(r)), _decode_seconds(r)
+        (before, tokens), after = base.get(_turn_key(r), (None, None)), _decode_seconds(r)
         if before is not None and after is not None:
             theirs += before
-            mine += after
+            mine += _at_baseline_length(after, r.get("new_tokens"), tokens, first=1)
     return _ratio(theirs, mine) if theirs > 0 else None
 
 

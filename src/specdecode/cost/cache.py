@@ -236,18 +236,6 @@ def machine_identity() -> dict[str, Any]:
     }
 
 
-def _llamacpp_patch(target: Any) -> int | None:
-    """The batch-invariance patch version of this process's llama.cpp build for a llama.cpp target
-    (a new version changes what passes cost), None for another backend."""
-    from specdecode.models.backends import backend_of
-
-    if backend_of(target) != "llamacpp":
-        return None
-    from specdecode.models.llamacpp.kernels import invariant_rows
-
-    return invariant_rows()
-
-
 def _versions() -> dict[str, Any]:
     import torch
     import transformers
@@ -289,7 +277,6 @@ def cost_key(
         "format": FORMAT,
         "measurement": serve_measure.MEASUREMENT_VERSION,
         "backend": backend_of(target),
-        "llamacpp_patch": _llamacpp_patch(target),
         "versions": _versions(),
         "machine": machine_identity(),
         "target": model_identity(target),
