@@ -12,14 +12,39 @@
 // Where the compiler targets VNNI, groups of 2-4 rows go through gemv_rows_q4_K_8x8_q8_K_vnni (below):
 // other instructions, the same integers and float operations, so the same bits.
 #if defined(__AVX2__)
+// Sub-block pair sb's scales and mins of 8 repacked Q4_K columns, as gemv unpacks them (6 bits each
+// from 12 bytes per 32-value sub-block): scales_0 / scales_1, the int16 scale of values 0-31 / 32-63
+// twice per int32 lane in gemv's column order 0 4 1 5 2 6 3 7; mins_01, both sub-blocks' mins.
+static inline void q4_K_8x8_scales(const uint8_t * scales, int sb, __m128i scalemask, __m256i * scales_0,
+                                   __m256i * scales_1, __m256i * mins_01) {
+    const uint32_t kmask1 = 0x3f3f3f3f;
+    const uint32_t kmask2 = 0x0f0f0f0f;
+    const uint32_t kmask3 = 0x03030303;
+    uint32_t utmp_0[4], utmp_1[4];
+    memcpy(utmp_0, scales + 24 * sb, 12);
+    utmp_0[3] = ((utmp_0[2] >> 4) & kmask2) | (((utmp_0[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux_0 = utmp_0[1] & kmask1;
+    utmp_0[1] = (utmp_0[2] & kmask2) | (((utmp_0[0] >> 6) & kmask3) << 4);
+    utmp_0[2] = uaux_0;
+    utmp_0[0] &= kmask1;
+    memcpy(utmp_1, scales + 12 + sb * 24, 12);
+    utmp_1[3] = ((utmp_1[2] >> 4) & kmask2) | (((utmp_1[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux_1 = utmp_1[1] & kmask1;
+    utmp_1[1] = (utmp_1[2] & kmask2) | (((utmp_1[0] >> 6) & kmask3) << 4);
+    utmp_1[2] = uaux_1;
+    utmp_1[0] &= kmask1;
+    const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
+    const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
+    *scales_0 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_0, scalemask));
+    *scales_1 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_1, scalemask));
+    *mins_01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
+}
+
 // R rows (y0 .. y0 + R - 1) at once: R is a compile-time constant so that the rows' accumulators
 // stay in registers.
 template <int R>
 static inline void gemv_rows_q4_K_8x8_q8_K_R(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int y0, int nc) {
     const int nb = n / QK_K;
-    static const uint32_t kmask1 = 0x3f3f3f3f;
-    static const uint32_t kmask2 = 0x0f0f0f0f;
-    static const uint32_t kmask3 = 0x03030303;
 
     const __m128i deltamask = _mm_set_epi8(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
     const __m128i scalemask = _mm_set_epi8(7, 7, 3, 3, 6, 6, 2, 2, 5, 5, 1, 1, 4, 4, 0, 0);
@@ -97,25 +122,8 @@ static inline void gemv_rows_q4_K_8x8_q8_K_R(int n, float * GGML_RESTRICT s, siz
                 w[14] = _mm256_blend_epi32(v0123_13, _mm256_shuffle_epi32(v4567_13, 177), 170);
                 w[15] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123_13, 177), v4567_13, 170);
 
-                uint32_t utmp_0[4], utmp_1[4];
-                memcpy(utmp_0, b_ptr[b].scales + 24 * sb, 12);
-                utmp_0[3] = ((utmp_0[2] >> 4) & kmask2) | (((utmp_0[1] >> 6) & kmask3) << 4);
-                const uint32_t uaux_0 = utmp_0[1] & kmask1;
-                utmp_0[1] = (utmp_0[2] & kmask2) | (((utmp_0[0] >> 6) & kmask3) << 4);
-                utmp_0[2] = uaux_0;
-                utmp_0[0] &= kmask1;
-                memcpy(utmp_1, b_ptr[b].scales + 12 + sb * 24, 12);
-                utmp_1[3] = ((utmp_1[2] >> 4) & kmask2) | (((utmp_1[1] >> 6) & kmask3) << 4);
-                const uint32_t uaux_1 = utmp_1[1] & kmask1;
-                utmp_1[1] = (utmp_1[2] & kmask2) | (((utmp_1[0] >> 6) & kmask3) << 4);
-                utmp_1[2] = uaux_1;
-                utmp_1[0] &= kmask1;
-
-                const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
-                const __m256i scales_0 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_0, scalemask));
-                const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
-                const __m256i scales_1 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_1, scalemask));
-                const __m256i mins_01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
+                __m256i scales_0, scales_1, mins_01;
+                q4_K_8x8_scales(b_ptr[b].scales, sb, scalemask, &scales_0, &scales_1, &mins_01);
 
                 for (int r = 0; r < R; r++) {
                     const block_q8_K * a = a_ptr_start + ((y0 + r) * nb) + b;
@@ -174,9 +182,6 @@ static inline void gemv_rows_q4_K_8x8_q8_K_R(int n, float * GGML_RESTRICT s, siz
 template <int R>
 static inline void gemv_rows_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int y0, int nc) {
     const int nb = n / QK_K;
-    static const uint32_t kmask1 = 0x3f3f3f3f;
-    static const uint32_t kmask2 = 0x0f0f0f0f;
-    static const uint32_t kmask3 = 0x03030303;
 
     const __m128i deltamask = _mm_set_epi8(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
     const __m128i scalemask = _mm_set_epi8(7, 7, 3, 3, 6, 6, 2, 2, 5, 5, 1, 1, 4, 4, 0, 0);
@@ -220,25 +225,8 @@ static inline void gemv_rows_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, 
                     hi[i] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4b);
                 }
 
-                uint32_t utmp_0[4], utmp_1[4];
-                memcpy(utmp_0, b_ptr[b].scales + 24 * sb, 12);
-                utmp_0[3] = ((utmp_0[2] >> 4) & kmask2) | (((utmp_0[1] >> 6) & kmask3) << 4);
-                const uint32_t uaux_0 = utmp_0[1] & kmask1;
-                utmp_0[1] = (utmp_0[2] & kmask2) | (((utmp_0[0] >> 6) & kmask3) << 4);
-                utmp_0[2] = uaux_0;
-                utmp_0[0] &= kmask1;
-                memcpy(utmp_1, b_ptr[b].scales + 12 + sb * 24, 12);
-                utmp_1[3] = ((utmp_1[2] >> 4) & kmask2) | (((utmp_1[1] >> 6) & kmask3) << 4);
-                const uint32_t uaux_1 = utmp_1[1] & kmask1;
-                utmp_1[1] = (utmp_1[2] & kmask2) | (((utmp_1[0] >> 6) & kmask3) << 4);
-                utmp_1[2] = uaux_1;
-                utmp_1[0] &= kmask1;
-
-                const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
-                const __m256i scales_0 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_0, scalemask));
-                const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
-                const __m256i scales_1 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(mins_and_scales_1, scalemask));
-                const __m256i mins_01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
+                __m256i scales_0, scales_1, mins_01;
+                q4_K_8x8_scales(b_ptr[b].scales, sb, scalemask, &scales_0, &scales_1, &mins_01);
                 // gemv's int16 scale pairs (one scale twice per int32 lane), as int32 in hadd's order
                 const __m256i sc_0 = _mm256_permutevar8x32_epi32(_mm256_and_si256(scales_0, low16), tohadd);
                 const __m256i sc_1 = _mm256_permutevar8x32_epi32(_mm256_and_si256(scales_1, low16), tohadd);
