@@ -17,8 +17,9 @@ applied to its source before the build (``build.py``):
   weights loaded and unpacked once for every 4 rows; where the compiler targets VNNI (AVX512-VNNI
   with AVX512VL, or AVX-VNNI), groups of 2-4 rows take VNNI's 4-byte dot products straight on
   the repacked bytes (the activations broadcast 8 bytes at a time, no rearranging of the
-  weights): the integer sums are exact either way, so the bits are gemv's, and passes of 3-17
-  rows cost 8-11% less on 2 threads of the AMD EPYC (one row keeps ggml's own kernel);
+  weights): the integer sums are exact either way, so the bits are gemv's, and passes of 5-17
+  rows cost 5-12% less in two of three rounds on 2 threads of the AMD EPYC, the same in the
+  third (one row keeps ggml's own kernel);
 - ``ggml-cpu/repack.cpp`` (``native/gemv_rows_template.cpp`` and two edits of the product's
   chunk and quantization): while the reference-kernel switch is on (``params->use_ref``), a
   repacked matrix product quantizes every activation row alone (``quantize_row_q8_K``, as one row

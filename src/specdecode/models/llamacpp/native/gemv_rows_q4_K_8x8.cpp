@@ -278,8 +278,8 @@ void ggml_gemv_rows_q4_K_8x8_q8_K(int n, float * GGML_RESTRICT s, size_t bs, con
     int y0 = 0;
     for (; y0 + 4 <= nr; y0 += 4) {
 #if defined(SPECDECODE_DPBUSD)
-        // 2-4 rows with VNNI (the same bits): passes of 3-17 rows 8-11% faster on 2 threads of the
-        // AMD EPYC (lab/notebook/2026-11-28-vnni-rows.md); one row keeps ggml's own kernel (with
+        // 2-4 rows with VNNI (the same bits): passes of 5-17 rows 5-12% faster in 2 of 3 rounds on
+        // 2 threads of the AMD EPYC (lab/notebook/2026-11-28-vnni-rows.md); one row keeps ggml's own kernel (with
         // VNNI ~3% slower there: a one-row product is bound by memory, not arithmetic)
         gemv_rows_q4_K_8x8_q8_K_vnni<4>(n, s, bs, vx, vy, y0, nc);
 #else
