@@ -27,6 +27,12 @@ def costs(per_row: list[float], step_ms: float = 0.0, chunk: int | None = None) 
     return measured
 
 
+def opened(**fields: object) -> GateConfig:
+    """A :class:`GateConfig` whose sources draft from a request's first step (``shadow_until_hit``
+    off): the tests of the estimates and costs; the rule itself has its own test."""
+    return GateConfig(**{"shadow_until_hit": False, **fields})  # type: ignore[arg-type]
+
+
 def draft(n: int, d: int = 8, source: str = "prompt_lookup") -> DraftTokens:
     return DraftTokens(torch.arange(d, dtype=torch.int64), None, (source, n))
 
@@ -61,7 +67,7 @@ def test_wide_costs_follow_the_one_token_pass_as_the_context_changes() -> None:
     measured.observe(1, 1, 0.030, 0.030)
     assert measured.cost(1, 0.6) == pytest.approx(30.0)
     assert measured.cost(6, 0.6) == pytest.approx(150.0) and measured.cost(3, 0.6) == pytest.approx(80.0)
-    config = GateConfig(prior_first=(0.9,) * 5, prior_next=0.95)
+    config = opened(prior_first=(0.9,) * 5, prior_next=0.95)
     assert len(DraftGate(measured, config).trim(draft(5))) > 0
     assert len(DraftGate(stale, config).trim(draft(5))) == 0
 
@@ -94,12 +100,12 @@ def test_expected_cost_of_a_chunked_pass_equals_enumeration(chunk: int, then: in
 
 def test_the_gate_follows_costs_and_the_request_evidence() -> None:
     cheap = costs([10.0] * 17)  # a GPU-like curve: any draft pays
-    assert len(DraftGate(cheap).trim(draft(1))) == 8
+    assert len(DraftGate(cheap, opened()).trim(draft(1))) == 8
     dear = costs([10.0 * w for w in range(1, 18)])  # every row costs a one-token pass: nothing pays
-    gate = DraftGate(dear)
+    gate = DraftGate(dear, opened())
     assert len(gate.trim(draft(5))) == 0 and gate.gated_tokens == 8
     two_core = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)  # the EPYC's
-    gate = DraftGate(two_core)
+    gate = DraftGate(two_core, opened())
     assert len(gate.trim(draft(1))) == 0  # a 1-token match is right 0.3 of the time: not worth a pass
     assert len(gate.trim(draft(5))) > 0  # a 5-token match is
     for _ in range(6):  # in this request, 5-token matches keep failing at once
@@ -239,28 +245,28 @@ def test_the_gate_sends_a_likely_draft_whole_and_an_unlikely_one_with_the_early_
     extra call; with 0.5 the early stop pays. Either way the gate keeps drafts that pay. The first
     draft of a source in a request keeps the early stop until one of them was right
     (``whole_needs_hit``); a shadow check's hit counts as one."""
-    likely = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9, whole_needs_hit=False))
+    likely = DraftGate(patched_costs(), opened(prior_first=(0.95,) * 5, prior_next=0.9, whole_needs_hit=False))
     kept = likely.trim(draft(5))
     assert len(kept) > 0 and not kept.early_stop
-    earned = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9))
+    earned = DraftGate(patched_costs(), opened(prior_first=(0.95,) * 5, prior_next=0.9))
     for decoded in ([999], [0, 1, 2]):  # a miss, then a hit
         kept = earned.trim(draft(5))
         assert len(kept) > 0 and kept.early_stop
         earned.observe(len(kept), len(decoded) - 1, decoded)
     assert not earned.trim(draft(5)).early_stop
-    shadowed = DraftGate(patched_costs(), GateConfig(prior_first=(0.95,) * 5, prior_next=0.9, margin=100.0))
+    shadowed = DraftGate(patched_costs(), opened(prior_first=(0.95,) * 5, prior_next=0.9, margin=100.0))
     assert len(shadowed.trim(draft(5))) == 0  # withheld (the margin): a shadow check
     shadowed.observe(0, 0, [0])  # its first token decoded: a hit
-    shadowed.config = GateConfig(prior_first=(0.95,) * 5, prior_next=0.9)
+    shadowed.config = opened(prior_first=(0.95,) * 5, prior_next=0.9)
     assert not shadowed.trim(draft(5)).early_stop
     with pytest.raises(ValueError, match="whole_needs_hit"):
         GateConfig(whole_needs_hit=1)  # type: ignore[arg-type]
-    unlikely = DraftGate(patched_costs(), GateConfig(prior_first=(0.5,) * 5, prior_next=0.9))
+    unlikely = DraftGate(patched_costs(), opened(prior_first=(0.5,) * 5, prior_next=0.9))
     kept = unlikely.trim(draft(5))
     assert len(kept) > 0 and kept.early_stop
     unpatched = costs([26.0, 49.0, 66.0, 88.0, 112.0, 131.0, 150.0, 169.0, 188.0], step_ms=2.5, chunk=3)
     unpatched.then = 3
-    assert DraftGate(unpatched, GateConfig(prior_first=(0.95,) * 5, prior_next=0.9)).trim(draft(5)).early_stop
+    assert DraftGate(unpatched, opened(prior_first=(0.95,) * 5, prior_next=0.9)).trim(draft(5)).early_stop
 
 
 def test_a_source_that_keeps_missing_is_withheld_until_a_shadow_check_hits() -> None:
@@ -269,7 +275,7 @@ def test_a_source_that_keeps_missing_is_withheld_until_a_shadow_check_hits() -> 
     16-token drafts), and a withheld draft whose first token the target then decodes reopens it at
     once; where a miss costs nothing (a flat curve) nothing is withheld. A prediction's draft is sent
     whole or not at all, and its trials leave prompt lookup's estimates alone."""
-    gate = DraftGate(patched_costs())
+    gate = DraftGate(patched_costs(), opened())
     for _ in range(2):
         kept = gate.trim(draft(5, 16, "prediction"))
         assert len(kept) == 16  # never shortened
@@ -334,7 +340,7 @@ def test_a_slow_wide_pass_barely_moves_its_cost() -> None:
     fresh.observe(1, 1, 0.033, 0.033)
     fresh.observe(5, 5, 1.0, 1.0)
     assert fresh.ms[5] == pytest.approx(1.2 * 5 * 33.0)
-    gate = DraftGate(measured, GateConfig(prior_first=(0.9,) * 5, prior_next=0.9))
+    gate = DraftGate(measured, opened(prior_first=(0.9,) * 5, prior_next=0.9))
     assert len(gate.trim(draft(5))) > 0
 
 
@@ -349,7 +355,26 @@ def test_an_unmeasured_whole_call_is_priced_from_the_measured_ones() -> None:
     assert live.whole_cost(3, 0.6) == pytest.approx(54.9)
     live.whole_ms[9] = 130.0
     assert live.whole_cost(6, 0.6) == pytest.approx(54.9 + (130.0 - 54.9) / 2)
-    config = GateConfig(prior_first=(0.97,) * 5, prior_next=0.96, prior_next_weight=100.0, whole_needs_hit=False)
+    config = opened(prior_first=(0.97,) * 5, prior_next=0.96, prior_next_weight=100.0, whole_needs_hit=False)
     gate = DraftGate(live, config)
     kept = gate.trim(draft(5, 3))
     assert len(kept) == 3 and not kept.early_stop
+
+
+def test_a_source_is_shadow_checked_until_one_of_its_drafts_is_right() -> None:
+    """shadow_until_hit (the default): where a miss costs something, prompt lookup's drafts are
+    withheld from a request's start and scored against the decoded tokens; a wrong one keeps the
+    source shut, the first right one opens it. A client's prediction drafts at once; where a miss
+    costs nothing (a flat curve), or with the rule off, so does prompt lookup."""
+    gate = DraftGate(patched_costs())
+    assert len(gate.trim(draft(5))) == 0 and gate.gated_tokens == 8  # withheld: a shadow check
+    gate.observe(0, 0, [999])  # its first token wrong
+    assert gate.shadow_trials == 1 and len(gate.trim(draft(5))) == 0  # still shut
+    gate.observe(0, 0, [0])  # this withheld draft's first token right: a hit
+    kept = gate.trim(draft(5))
+    assert len(kept) > 0 and kept.evidence == ("prompt_lookup", 5)
+    assert len(DraftGate(patched_costs()).trim(draft(5, 16, "prediction"))) == 16
+    assert len(DraftGate(costs([10.0] * 17)).trim(draft(5))) == 8
+    assert len(DraftGate(patched_costs(), GateConfig(shadow_until_hit=False)).trim(draft(5))) > 0
+    with pytest.raises(ValueError, match="shadow_until_hit"):
+        GateConfig(shadow_until_hit=1)  # type: ignore[arg-type]

@@ -38,7 +38,10 @@ from this request's own evidence and this machine's own measured pass costs:
   per hit plus ``max_misses`` (``misses_per_hit``: a source right less than a third of the time stays
   shut between the shadow hits that reopen it): the Beta estimates learn one bucket at a time and,
   for a client's prediction, price a right draft at up to 16 tokens, so they would keep an
-  unrelated prediction's drafts for a dozen misses (~12 ms each on the 2-core EPYC).
+  unrelated prediction's drafts for a dozen misses (~12 ms each on the 2-core EPYC). A source other
+  than a client's prediction starts a request shut (``shadow_until_hit``): its drafts are
+  shadow-checked until one would have had its first token right, so a turn whose copies are never
+  right pays for no draft at all (before, one or two misses per turn: reasoning and qa ~0.99x).
 
 A client's prediction (``("prediction", n)``, :mod:`specdecode.proposers.prediction`) has priors of
 its own (an edit's answer copies it) and is never shortened: sent whole (with the early stop, or
@@ -104,6 +107,14 @@ class GateConfig:
             request's first draft whole, and a miss then costs the whole pass (replayed on the
             held-out turns, lab/scripts/gate_replay_split.py: the worst turn 0.953 -> 0.964 of plain
             decoding, the worst category 0.981 -> 0.993, all turns 1.135 -> 1.126).
+        shadow_until_hit: where a miss costs something (as ``max_misses``), a source other than a
+            client's prediction is withheld (shadow checks only) until one of this request's drafts
+            from it had its first token right; then ``max_misses`` and ``misses_per_hit`` apply (the
+            shadow checks' misses count). Replayed (lab/scripts/gate_replay_split.py, patch v3's
+            costs, 2026-11-28): 22 held-out turns, worst turn 0.973 -> 0.993 of plain decoding,
+            reasoning 0.994 -> 1.000, qa 0.993 -> 1.000, all 1.128 -> 1.134; the 30-turn corpus
+            worst turn 0.966 -> 0.991, all 1.205 -> 1.215; the code edits 2.10 -> 2.06 with a
+            prediction (its fallback's first right copy waits for a shadow hit), 2.02 -> 2.00 without.
         prior_slope: before a width is measured, a pass of w rows costs ``c(1) * (1 + prior_slope *
             (w - 1))`` (2-core CPU: 0.55-0.9; a GPU: ~0.05). >= 0.
         margin: draft only when the expected rate beats plain decoding's by this fraction (>= 0).
@@ -122,6 +133,7 @@ class GateConfig:
     max_misses: int | None = 2
     misses_per_hit: bool = True
     whole_needs_hit: bool = True
+    shadow_until_hit: bool = True
     prior_slope: float = 0.6
     margin: float = 0.0
     ema: float = 0.2
@@ -141,7 +153,7 @@ class GateConfig:
             raise ValueError(f"prior_slope and margin must be >= 0, got {self.prior_slope!r}, {self.margin!r}")
         if self.max_misses is not None and (not isinstance(self.max_misses, int) or self.max_misses < 1):
             raise ValueError(f"max_misses must be None or an integer >= 1, got {self.max_misses!r}")
-        for name in ("whole_needs_hit", "misses_per_hit"):
+        for name in ("whole_needs_hit", "misses_per_hit", "shadow_until_hit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.ema <= 1.0:
@@ -436,10 +448,13 @@ class DraftGate:
             self.shadow_trials += 1
 
     def _shut(self, source: str) -> bool:
-        """Whether ``source`` has had ``max_misses`` drafts in this request and none of them had a
-        token accepted, or (``misses_per_hit``) ``max_misses * (1 + hits)`` misses (its drafts are
-        then withheld and scored by shadow checks only)."""
+        """Whether ``source``'s drafts are withheld and scored by shadow checks only: none of its
+        drafts in this request was right yet (``shadow_until_hit``, not a prediction), or it has had
+        ``max_misses`` drafts and none had a token accepted, or (``misses_per_hit``) ``max_misses *
+        (1 + hits)`` misses."""
         hits, misses = self._hits.get(source, (0, 0))
+        if self.config.shadow_until_hit and source != PREDICTION and hits == 0:
+            return True
         most = self.config.max_misses
         if most is None:
             return False
