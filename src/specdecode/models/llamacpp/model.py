@@ -436,6 +436,8 @@ class LlamaCppRunner:
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
         self._lib = lib
+        # a recurrent state is no cache of rows: clear its data too (as llama-cpp-python does)
+        self._clear_data = bool(lib.llama_model_is_recurrent(model._model) or lib.llama_model_is_hybrid(model._model))
         self.length = 0
         self.passes = 0  # llama_decode calls made (a split verification pass counts each chunk)
         self._tree: TreeCache | None = None  # a token tree's nodes after the cached sequence (forward_masked)
@@ -465,8 +467,13 @@ class LlamaCppRunner:
         """Nothing to prepare (the runner contract's hook for runners that capture CUDA graphs)."""
 
     def reset(self) -> None:
-        """Forget the whole sequence (its first pass included: :meth:`restart` runs it again)."""
-        self._lib.llama_memory_clear(self._memory, True)
+        """Forget the whole sequence (its first pass included: :meth:`restart` runs it again).
+
+        The cells are freed, their K and V left as they are (as :meth:`truncate` leaves them, and
+        llama-cpp-python's ``reset``): a free cell is masked out of attention, so what it holds never
+        reaches a row. Zeroing them cost 2.5 ms a request for the default target's 8,192 cells on the
+        2-core EPYC (a 28-token answer takes ~1.1 s). A recurrent or hybrid model's state is cleared."""
+        self._lib.llama_memory_clear(self._memory, self._clear_data)
         self.length = 0
         self._tree = None
         self._first = None
