@@ -11,6 +11,8 @@ Skipped, with the reason, when llama-cpp-python or the model packages are not in
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -135,6 +137,22 @@ def test_after_reset_every_pass_equals_a_fresh_runners(target) -> None:
     fresh.truncate(32)
     for i in range(432, 436):
         assert torch.equal(used.forward(IDS[i : i + 1]), fresh.forward(IDS[i : i + 1]))
+
+
+def test_weights_in_huge_pages_give_the_same_logits(target) -> None:
+    """``huge_pages`` (the default) changes where the weights sit, not what they are: a prefill, a
+    verification pass and one-token passes equal a load without it bit for bit; without it nothing
+    is collapsed."""
+    from specdecode.models.llamacpp.model import LlamaCppModel
+
+    plain = LlamaCppModel(target.path, replace(target.options, huge_pages=False))
+    assert plain.huge_page_bytes == 0 and target.huge_page_bytes >= 0
+    a, b = target.make_runner(n_ctx=256), plain.make_runner(n_ctx=256)
+    assert torch.equal(a.forward(IDS[:40]), b.forward(IDS[:40]))
+    assert torch.equal(a.forward(IDS[40:49], num_logits=9), b.forward(IDS[40:49], num_logits=9))
+    for i in range(49, 52):
+        assert torch.equal(a.forward(IDS[i : i + 1]), b.forward(IDS[i : i + 1]))
+
 
 WIDTHS = (2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 24, 33)
 """Verification widths checked for invariance (those up to ``invariant_tokens``)."""
