@@ -212,6 +212,8 @@ def test_nothing_imports_ray_unless_replicas_are_asked_for() -> None:
 PROMPTS = [[5, 17, 33, 2], [40, 41, 42], [100, 7, 7, 7, 9], [60, 61], [250, 12, 99]]
 MAX_TOKENS = 24
 CLIENT_TIMEOUT = 30.0
+REPLACEMENT_S = 180
+"""Seconds a killed replica's replacement may take to answer (a fresh clone's run on 2 cores once took over 90)."""
 
 
 def _free_port() -> int:
@@ -404,7 +406,9 @@ def test_a_killed_replica_is_replaced_and_nothing_told_succeeded_is_lost(cluster
         victim = sorted(before)[0]
         ray.kill(ray.get_actor(before[victim]["actor_name"], namespace="serve"), no_restart=True)
         killed_at = time.monotonic()
-        deadline = killed_at + 90
+        # the new replica is a new process (torch, the models) started from this worker at nice 10,
+        # beside the real-model worker's llama.cpp passes at full priority on 2 cores: give it time
+        deadline = killed_at + REPLACEMENT_S
         new: set[str] = set()
         while time.monotonic() < deadline:
             with lock:
@@ -421,7 +425,7 @@ def test_a_killed_replica_is_replaced_and_nothing_told_succeeded_is_lost(cluster
     failed = [r for r in results if r[2] is None]
     after = [r for r in succeeded if r[0] > killed_at]
     print(f"{len(succeeded)} succeeded ({len(after)} after the kill), {len(failed)} failed; new replica {new}")
-    assert new, f"no new replica answered within 90 s of the kill ({len(after)} answers after it)"
+    assert new, f"no new replica answered within {REPLACEMENT_S} s of the kill ({len(after)} answers after it)"
     assert len(after) >= 20, "the endpoint stopped answering after the kill"
     assert victim not in {r[1] for r in after if r[0] > killed_at + 15}
     for _, replica, ids, _, prompt in succeeded:  # what the client was told succeeded is whole and right
