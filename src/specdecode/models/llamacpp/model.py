@@ -129,7 +129,7 @@ class LlamaCppOptions:
             CPU-only build.
         huge_pages: on Linux, put the weights llama.cpp loads into host memory in 2 MiB pages
             (:mod:`specdecode.models.llamacpp.huge_pages`: one-token passes 2-5% faster on a 2-core
-            CPU, ~1.5 s more at load; the same results). Not where every layer runs on a GPU.
+            CPU, 1.5-1.7 s more at load; the same results). Not where every layer runs on a GPU.
 
     Raises:
         ValueError: a value out of range (named in the message).
@@ -252,7 +252,8 @@ class LlamaCppModel:
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path}")
         self.huge_page_bytes = 0
-        """Bytes of its weights in host memory that sit in 2 MiB pages (``huge_pages``)."""
+        """Bytes this load collapsed into 2 MiB pages (``huge_pages``): its weights in host memory (and
+        any older mapping the kernel merged a new buffer into); 0 where nothing was."""
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.hidden_size = int(lib.llama_model_n_embd(self._model))
