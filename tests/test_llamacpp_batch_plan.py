@@ -52,3 +52,12 @@ def test_rows_are_taken_in_sequence_id_order_and_fast_mode_cuts_plainly() -> Non
     assert rows_of(plan_passes(e, seq_ids, 3, exact=True)) == [[(1, 0), (2, 0), (0, 0)]]
     many = entries({0: 5, 1: 2}, [0, 1])
     assert [len(p) for p in plan_passes(many, [0, 1], 4, exact=False)] == [4, 3]
+
+
+def test_a_greedy_rows_cuts_end_its_pieces_and_a_last_single_token_still_joins_the_singles() -> None:
+    seq_ids = [0, 1, 2]
+    counts = {0: 6, 1: 1, 2: 3}  # row 0: a greedy draft of 5 (cuts 2, 6); row 2: cuts 2, 3
+    got = rows_of(plan_passes(entries(counts, seq_ids), seq_ids, 64, exact=True, cuts={0: [2, 6], 2: [2, 3]}))
+    assert got == [[(0, 0), (0, 1)], [(0, 2), (0, 3), (0, 4), (0, 5)], [(2, 0), (2, 1)], [(1, 0), (2, 2)]]
+    # without cuts each run is one call of up to the limit
+    assert rows_of(plan_passes(entries(counts, seq_ids), seq_ids, 64, exact=True))[0] == [(0, i) for i in range(6)]

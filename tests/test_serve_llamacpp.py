@@ -130,6 +130,41 @@ def test_a_wrong_greedy_draft_stops_its_row_early() -> None:
     assert early.lengths == [40 + 3, 60 + 7]
 
 
+def test_a_wrong_greedy_draft_stops_its_row_after_the_first_chunk_as_one_sequence_does(target) -> None:
+    """On the set-up's build (passes of up to 64 tokens invariant) a greedy row's first chunk is as
+    short as the single-sequence runner's (``greedy_stop_rows``): a wrong first draft token costs
+    that chunk, not the whole draft; a right draft gets every row, bit for bit."""
+    from specdecode.models.backends import make_batched_runner
+    from specdecode.models.llamacpp.model import greedy_chunks
+    from specdecode.sampling import argmax_ids
+
+    model, _ = target
+    chunk = model.options.invariant_tokens
+    runner_rows = make_batched_runner(model, 2, 512)
+    first = greedy_chunks(9, chunk)[0]
+    assert runner_rows.capabilities.greedy_stop_rows == model.capabilities.greedy_stop_rows == first
+    assert runner_rows.capabilities.greedy_stop_then == chunk
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 5000, (n,), generator=g) for n in (40, 60)]
+    steps = [torch.randint(0, 5000, (9,), generator=g) for _ in prompts]
+    full, early = make_batched_runner(model, 2, 512), make_batched_runner(model, 2, 512)
+    for runner in (full, early):
+        runner.add_row(), runner.add_row()
+        runner.forward(0, prompts, [1, 1])
+    solo = model.make_runner(512)  # row 1's draft: its own greedy continuation, so every row is computed
+    solo.forward(prompts[1], 1)
+    token, right = steps[1][:1], []
+    for _ in range(8):
+        token = argmax_ids(solo.forward(token, 1)[-1:]).reshape(1)
+        right.append(int(token))
+    steps[1] = torch.tensor([int(steps[1][0]), *right])
+    expected = full.forward(0, steps, [9, 9])
+    wrong = torch.full((8,), -1, dtype=torch.int64)  # never an argmax: row 0 stops after its first chunk
+    got = early.forward(0, steps, [9, 9], greedy_drafts=[wrong, steps[1][1:]])
+    assert got[0].shape[0] == first < 9 and torch.equal(got[0], expected[0][:first])
+    assert torch.equal(got[1], expected[1]) and early.lengths == [40 + first, 60 + 9]
+
+
 def test_concurrent_requests_equal_each_request_alone(server, target) -> None:
     """Four requests at once, speculating (prompt lookup) in one llama.cpp context, each give the
     greedy tokens of the request decoded alone without speculation on this backend."""

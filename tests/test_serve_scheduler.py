@@ -98,9 +98,12 @@ def prompts(tokenizer) -> list[list[int]]:
     ("speculation", "cost", "drafts"),
     [("on", None, True), ("adaptive", FLAT, True), ("adaptive", STEEP, False), ("off", None, False)],
 )
-def test_continuous_batching_is_exact(chat_models, tiny_tokenizer, speculation, cost, drafts) -> None:
+def test_continuous_batching_is_exact(chat_models, tiny_tokenizer, speculation, cost, drafts, monkeypatch) -> None:
     target, _ = chat_models
     scheduler = make(chat_models, tiny_tokenizer, cost=cost, speculation=speculation)
+    if cost is STEEP:  # a row left alone prices prompt lookup's copies with the draft gate: passes as steep
+        monkeypatch.setattr(scheduler.pass_costs, "observe", lambda *args, **kwargs: None)
+        scheduler.pass_costs.ms[:10] = [0.0] + [10.0 * w for w in range(1, 10)]
     ps = prompts(tiny_tokenizer)
     first = [
         Client(ps[0], 30),
@@ -486,3 +489,65 @@ def test_in_own_thread_returns_raises_and_leaves_no_thread_behind() -> None:
     with pytest.raises(ZeroDivisionError):
         in_own_thread(lambda: 1 / 0)
     assert threading.active_count() == before
+
+
+def test_a_lone_greedy_adaptive_request_drafts_through_its_draft_gate(chat_models, tiny_tokenizer, monkeypatch) -> None:
+    """A greedy ``adaptive`` request alone in the batch is the engine's single sequence: it drafts
+    its k whatever the cost model's plan (STEEP: never), through its own draft gate, which prices a
+    copied draft with the server's one-row pass costs; with two rows the plan decides and nobody is
+    gated; a sampled request has no gate. Output equals target-only decoding throughout."""
+    from specdecode.draft_gate import DraftGate
+
+    target, _ = chat_models
+    ps = prompts(tiny_tokenizer)
+    trims: list[int] = []
+    real_trim = DraftGate.trim
+
+    def spy(self: DraftGate, draft):
+        trims.append(len(draft))
+        return real_trim(self, draft)
+
+    monkeypatch.setattr(DraftGate, "trim", spy)
+
+    def check(client: Client) -> dict:
+        want = reference(target, tiny_tokenizer, client.req.prompt_ids, client.req.sampling.max_new_tokens)
+        if client.req.sampling.greedy:
+            assert client.tokens == want
+        return client.final.summary["speculative"]
+
+    for cost, drafts in (
+        (STEEP, False),
+        (FLAT, True),
+    ):  # a draft model's drafts: the plan decides, the gate passes them
+        scheduler = make(chat_models, tiny_tokenizer, cost=cost, speculation="adaptive")
+        trims.clear()
+        alone = Client(ps[0], 20, ignore_eos=True)
+        scheduler.submit(alone.req)
+        run(scheduler)
+        spec = check(alone)
+        assert (spec["draft_tokens"] > 0) == drafts and spec["gated_draft_tokens"] == 0
+        assert len(trims) == spec["target_forward_passes"] - 1  # the gate saw every step after the prefill
+        assert scheduler.pass_costs.ms[1] > 0 or scheduler.pass_costs.ms[4] > 0  # measured on its one-row steps
+    scheduler = make(chat_models, tiny_tokenizer, cost=STEEP, speculation="adaptive")
+
+    trims.clear()
+    pair = [Client(ps[1], 12, ignore_eos=True), Client(ps[2], 12, ignore_eos=True)]  # together to the end
+    sampled = Client(ps[3], 12, ignore_eos=True, temperature=0.8, seed=3)
+    for c in pair:
+        scheduler.submit(c.req)
+    run(scheduler)
+    scheduler.submit(sampled.req)
+    run(scheduler)
+    assert [check(c)["draft_tokens"] for c in (*pair, sampled)] == [0, 0, 0] and trims == []
+
+    # a prediction (a copied draft) drafts whatever the plan (STEEP): it is sent where the gate's one-row
+    # passes cost alike at every width, withheld where a wide one is dear
+    monkeypatch.setattr(scheduler.pass_costs, "observe", lambda *args, **kwargs: None)
+    prediction = ps[4] * 6
+    for slope, sent in ((0.0, True), (100.0, False)):
+        scheduler.pass_costs.ms[:10] = [0.0] + [10.0 + slope * (w - 1) for w in range(1, 10)]
+        client = Client(ps[4], 16, ignore_eos=True, proposer="prompt_lookup", prediction=prediction)
+        scheduler.submit(client.req)
+        run(scheduler)
+        spec = check(client)
+        assert (spec["draft_tokens"] > 0) == sent and (spec["gated_draft_tokens"] > 0) == (not sent)

@@ -187,6 +187,9 @@ class ProposerBase:
     passes: DraftPasses = NO_DRAFT_PASSES  # the loop sets this request's sink: self.passes(width) per forward
     vocab_size: int | None = None  # None: drafts ids of any vocabulary (taken from the context)
     drafter: torch.nn.Module | None = None  # a features proposer's trained drafter
+    copies: bool = False
+    """Every draft is copied (from the context or a prediction) and carries ``evidence``: cheap to
+    make, priced by the draft gate (:mod:`specdecode.draft_gate`) rather than by a cost of drafting."""
 
     def reset(self) -> None:
         """Nothing to forget."""

@@ -276,6 +276,7 @@ class PredictionProposer(ProposerBase):
         self.config = config or PredictionConfig()
         self.fallback_k = self.config.fallback_k or (default_num_speculative_tokens(fallback) if fallback else 0)
         self.name = f"prediction+{fallback.name}" if fallback is not None else "prediction"
+        self.copies = fallback is None or bool(getattr(fallback, "copies", False))  # its fallback's too
         self.needs_target_features = bool(fallback is not None and fallback.needs_target_features)
         self.record = PredictionRecord(prediction_tokens=int(self.prediction.shape[0]))
         self.reset()

@@ -174,6 +174,7 @@ class PromptLookupProposer(ProposerBase):
 
     name = "prompt_lookup"
     supports_tree = True
+    copies = True  # drafts what followed an earlier occurrence, with its evidence
     # k when the caller gives none: the match length bounds the draft (PromptLookupConfig.max_spec_factor)
     default_num_speculative_tokens = 8
 

@@ -9,12 +9,15 @@ with the ``finish_reason``, and on the usage chunk)::
 
     {"enabled": true, "proposer": "draft_model", "num_speculative_tokens": 4, "mode": "adaptive",
      "drafts": 9, "draft_tokens": 36, "accepted_tokens": 30, "acceptance_rate": 0.83,
-     "mean_acceptance_length": 4.33, "target_forward_passes": 10, "lossless": true}
+     "mean_acceptance_length": 4.33, "target_forward_passes": 10, "gated_draft_tokens": 0,
+     "lossless": true}
 
 ``mode`` is the speculation mode the request decoded with: its own ``speculation`` extension
 (``"on"``, ``"off"``, ``"adaptive"``), else the server's ``--speculation``; ``"off"`` when it
-did not speculate. ``lossless`` is always true: every proposer is verified exactly (greedy output equals the
-target's own greedy output; sampled output follows the target's distribution).
+did not speculate. ``gated_draft_tokens``: drafted tokens the draft gate kept from the target (a
+greedy ``adaptive`` request decoding alone, :mod:`specdecode.draft_gate`). ``lossless`` is always
+true: every proposer is verified exactly (greedy output equals the target's own greedy output;
+sampled output follows the target's distribution).
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input
 (the message and ``param`` name the field; malformed JSON included), 401 for a missing or wrong

@@ -46,6 +46,7 @@ import torch
 from specdecode import loop_steps
 from specdecode.cost.serve_measure import default_batch_grid, in_own_thread, measure_draft_cost, measure_target_costs
 from specdecode.cost.serve_model import INITIAL_ACCEPTANCE, CostModel, plan_speculation
+from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
@@ -118,6 +119,10 @@ class Scheduler:
         self.metrics.kv_budget.set(settings.kv_budget_tokens)
         self.audit = audit
         self.cost = cost
+        # what a one-row pass costs (measured on the steps the batch held one row): the draft gates read it
+        self.pass_costs = PassCosts(
+            chunk=self.runner.capabilities.greedy_stop_rows, then=self.runner.capabilities.greedy_stop_then
+        )
         proposers = available_proposers(
             settings, target, draft, self.backend, returns_hidden=self.runner.capabilities.returns_hidden
         )
@@ -409,6 +414,8 @@ class Scheduler:
             constraint,
             device=self.runner.device,
         )
+        if proposer is not None and req.sampling.greedy and self.admission.mode(req) == "adaptive":
+            seq.gate = DraftGate(self.pass_costs)  # as the engine's default schedule: see _plan
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
         self.metrics.prompt_tokens.inc(seq.prompt_len)
@@ -427,8 +434,18 @@ class Scheduler:
         return [self.metrics] if self.cost is None else [self.metrics, self.cost]
 
     def _plan(self) -> list[int]:
-        """k per running sequence for this step (``--speculation`` and the cost model)."""
+        """k per running sequence for this step (``--speculation`` and the cost model). A lone
+        greedy adaptive row whose proposer copies (``copies``: prompt lookup, a prediction) is the
+        engine's single sequence: it drafts its k, and its draft gate (:mod:`specdecode.draft_gate`)
+        sends as much of the draft as its measured one-row pass costs and its own acceptance say
+        pays (:meth:`_gated`)."""
         max_ks = [s.max_draft() for s in self.active]
+        if (
+            len(self.active) == 1
+            and self.active[0].gate is not None
+            and getattr(self.active[0].proposer, "copies", False)
+        ):
+            return max_ks
         modes = [self.admission.mode(s.req) for s in self.active]
         if "adaptive" not in modes or self.cost is None:  # no cost model yet: adaptive drafts as on
             return [0 if mode == "off" else m for m, mode in zip(max_ks, modes, strict=True)]
@@ -458,6 +475,9 @@ class Scheduler:
         ks = self._plan()
         t1 = self._clock()
         drafts = [self._draft(s, k) for s, k in zip(seqs, ks, strict=True)]  # 1. draft
+        alone = len(seqs) == 1 and seqs[0].gate is not None
+        if alone:  # the draft gate may shorten a copied draft
+            drafts = [self._gated(seqs[0], drafts[0])]
         self.metrics.batch_size.observe(len(seqs))
         self.metrics.steps.inc()
         tic = self._clock()
@@ -472,6 +492,13 @@ class Scheduler:
             truncate = functools.partial(self.runner.truncate, s.row)
             result = loop_steps.verify_truncate(s, draft, row_logits, row_hidden, truncate)
             n = result.num_accepted
+            if s.gate is not None:  # its sent draft's outcome (a lone row's); what a withheld draft would have got
+                s.gate.observe(len(draft) if alone else 0, n, result.tokens)
+                s.stats.gated_draft_tokens = s.gate.gated_tokens
+            if alone:  # a one-row pass: what it cost (the gates' prices)
+                self.pass_costs.observe(
+                    len(draft) + 1, int(row_logits.shape[0]), seconds, self._clock() - t1, whole=not draft.early_stop
+                )
             if len(draft):
                 s.estimate.observe(len(draft), n)
                 name = s.req.proposer or ""
@@ -528,6 +555,15 @@ class Scheduler:
             else:
                 self.cost.observe_draft(s.req.proposer, seconds, len(draft))
         return draft
+
+    def _gated(self, s: RunningSequence, draft: DraftTokens) -> DraftTokens:
+        """``draft`` through ``s``'s draft gate (a copied draft cut to what pays, possibly nothing;
+        others unchanged), the gate's time charged to drafting."""
+        assert s.gate is not None
+        tic = self._clock()
+        kept = s.gate.trim(draft)
+        s.stats.draft_time_s += self._clock() - tic
+        return kept
 
     def _emit(self, s: RunningSequence, tokens: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         """Append ``tokens`` to the sequence (cut at a stop) and send the client its event; ``logits``:

@@ -11,6 +11,7 @@ import torch
 
 from specdecode.cost.serve_model import AcceptanceEstimate
 from specdecode.decode_state import DecodeState
+from specdecode.draft_gate import DraftGate
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.prediction import prediction_record, with_prediction
 from specdecode.serve.request import ServeRequest, usage
@@ -65,6 +66,7 @@ class RunningSequence(DecodeState):
         self.error: str | None = None
         self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
         self.drafted_at: int | None = None  # context length at the proposer's last call
+        self.gate: DraftGate | None = None  # a greedy adaptive request's draft gate (the scheduler's)
 
     def behind(self) -> int:
         """Context tokens the proposer has to catch up on before drafting: 0 right after its
@@ -114,6 +116,7 @@ def speculative_summary(
         "acceptance_rate": stats.acceptance_rate,
         "mean_acceptance_length": stats.mean_acceptance_length,
         "target_forward_passes": stats.target_forward_passes,
+        "gated_draft_tokens": stats.gated_draft_tokens,
         "lossless": True,
     }
     if stats.prediction is not None:

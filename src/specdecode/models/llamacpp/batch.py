@@ -40,12 +40,23 @@ import numpy as np
 import torch
 
 from specdecode.models.contract import RowTable, RunnerCapabilities
-from specdecode.models.llamacpp.model import LlamaCppModel, _lib, decode_batch, free_context, new_context
+from specdecode.models.llamacpp.model import (
+    LlamaCppModel,
+    _lib,
+    decode_batch,
+    free_context,
+    greedy_chunks,
+    new_context,
+)
 from specdecode.sampling import argmax_ids
 
 
 def plan_passes(
-    entries: list[tuple[int, int, bool]], seq_ids: Sequence[int], limit: int, exact: bool
+    entries: list[tuple[int, int, bool]],
+    seq_ids: Sequence[int],
+    limit: int,
+    exact: bool,
+    cuts: dict[int, list[int]] | None = None,
 ) -> list[list[tuple[int, int, bool]]]:
     """Cut a batched forward's tokens into ``llama_decode`` calls of at most ``limit`` tokens.
 
@@ -58,6 +69,10 @@ def plan_passes(
             of one token, or a run's last piece of one) share a call with the following rows' single
             tokens while their sequence ids follow each other, so that every call is one llama.cpp
             micro-batch (see the module docstring). Else plain cuts of ``limit``.
+        cuts: exact mode, per row (by index), where its run's pieces end instead (exclusive ends
+            within the run, increasing, the last its length; each piece at most ``limit``): a greedy
+            verification's chunks (:func:`~specdecode.models.llamacpp.model.greedy_chunks`), so that a
+            wrong draft token stops the row after its first chunk.
 
     Returns:
         the calls, in an order that keeps each row's tokens in order.
@@ -72,7 +87,10 @@ def plan_passes(
         end = start
         while end < len(entries) and entries[end][0] == row:
             end += 1
-        for piece in (entries[i : min(i + limit, end)] for i in range(start, end, limit)):
+        ends = (
+            [start + e for e in cuts[row]] if cuts and row in cuts else list(range(start + limit, end, limit)) + [end]
+        )
+        for piece in (entries[a:b] for a, b in zip([start, *ends[:-1]], ends, strict=True)):
             if len(piece) > 1:
                 passes.append(piece)
                 continue
@@ -109,7 +127,10 @@ class LlamaCppBatchedRunner:
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
     no features (``return_hidden``: the server does not offer Medusa / EAGLE on this runner;
     ``specdecode generate`` runs them on llama.cpp, one sequence), no trees; an instance's
-    ``batch_invariant`` and ``greedy_hints`` are its model's ``exact`` option."""
+    ``batch_invariant`` and ``greedy_hints`` are its model's ``exact`` option, and a greedy row
+    stops early where the single-sequence runner's pass does (``greedy_stop_rows``,
+    ``greedy_stop_then``: :attr:`LlamaCppModel.capabilities
+    <specdecode.models.llamacpp.model.LlamaCppModel.capabilities>`)."""
 
     def __init__(self, model: LlamaCppModel, max_rows: int, n_ctx: int | None = None) -> None:
         self.rows = RowTable(max_rows)  # checks max_rows; a row's slot is its llama.cpp sequence id
@@ -117,7 +138,14 @@ class LlamaCppBatchedRunner:
         self.model = model
         self.max_rows = max_rows
         options = model.options
-        self.capabilities = replace(type(self).capabilities, batch_invariant=options.exact, greedy_hints=options.exact)
+        stops = model.capabilities  # where a greedy pass stops early: as the single-sequence runner
+        self.capabilities = replace(
+            type(self).capabilities,
+            batch_invariant=options.exact,
+            greedy_hints=options.exact,
+            greedy_stop_rows=stops.greedy_stop_rows,
+            greedy_stop_then=stops.greedy_stop_then,
+        )
         self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
         self._per_row = int(lib.llama_n_ctx(self._ctx)) // max_rows
         self._memory = lib.llama_get_memory(self._ctx)
@@ -205,7 +233,8 @@ class LlamaCppBatchedRunner:
                 drafted tokens ``inputs[b][1:]`` (else None): in exact mode, which splits passes
                 anyway, a row stops after the first pass in which a scored position's argmax
                 disagrees with its draft (the verifier rejects there; later rows would be thrown
-                away), as :meth:`~specdecode.models.llamacpp.LlamaCppRunner.forward` does.
+                away), as :meth:`~specdecode.models.llamacpp.LlamaCppRunner.forward` does, and its
+                first pass is as short (:func:`~specdecode.models.llamacpp.model.greedy_chunks`).
 
         Returns:
             per row, float32 ``[num_logits[b], V]``; row i scores the token after
@@ -254,8 +283,11 @@ class LlamaCppBatchedRunner:
             for b, d in enumerate(greedy_drafts or [])
             if d is not None and options.exact and num_logits[b] == len(tokens[b])
         }
+        # a greedy row's first chunk is short (as the single-sequence runner's): a wrong first draft
+        # token stops it there, not after its whole draft
+        cuts = {row: greedy_chunks(len(tokens[row - first]), limit) for row in drafts}
         stopped: set[int] = set()
-        for chunk in plan_passes(entries, self.seq_ids, limit, options.exact):
+        for chunk in plan_passes(entries, self.seq_ids, limit, options.exact, cuts):
             part = [e for e in chunk if e[0] not in stopped]
             if not part:
                 continue
