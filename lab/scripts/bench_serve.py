@@ -138,6 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", help="Spec-Bench jsonl (default: the packaged dev half, specdecode/data/spec_bench)")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all but humaneval)")
     p.add_argument(
+        "--edits",
+        type=int,
+        default=0,
+        help="the first N code edits (the bench's code_edit category) instead of Spec-Bench chats: our modes "
+        "get the original file as OpenAI's prediction, the peer the prompt alone; answers end at the end "
+        "token (no ignore_eos), at most --max-tokens",
+    )
+    p.add_argument(
         "--server",
         choices=["shared", "separate"],
         default="shared",
@@ -268,9 +276,12 @@ def free_port() -> int:
 
 
 def load_chats(args: argparse.Namespace, count: int) -> list[str]:
-    """The first turn of ``count`` Spec-Bench questions, round-robin over categories."""
+    """The first turn of ``count`` Spec-Bench questions, round-robin over categories (``--edits``:
+    the first ``count`` code edits' turns)."""
     from specdecode.bench.prompts import load_prompts
 
+    if args.edits:
+        return [p.turns[0] for p in load_edits(args)][:count]
     categories = args.categories or "mt_bench,translation,summarization,qa,math_reasoning,rag"
     prompts = load_prompts(args.questions, categories, per_category=None, shortest=True)
     by_group: dict[str, list[str]] = {}
@@ -284,6 +295,14 @@ def load_chats(args: argparse.Namespace, count: int) -> list[str]:
         if not any(by_group.values()):
             break
     return (chats * (count // max(1, len(chats)) + 1))[:count]
+
+
+def load_edits(args: argparse.Namespace) -> list[Any]:
+    """The first ``--edits`` prompts of the code_edit category (:mod:`specdecode.bench.code_edit`),
+    each with its ``prediction`` (the original file)."""
+    from specdecode.bench.prompts import load_prompts
+
+    return load_prompts(None, "code_edit", per_category=None)[: args.edits]
 
 
 def wait_http_ready(process: subprocess.Popen, url: str, what: str, log: str, timeout: float) -> None:
@@ -422,8 +441,12 @@ def one_request(
     speculation: str | None = None,
     peer: bool = False,
     end_ids: frozenset[int] = frozenset(),
+    prediction: str | None = None,
+    ignore_eos: bool = True,
 ) -> dict[str, Any]:
     """One streamed greedy chat request; returns times (s), tokens, the token ids and the text.
+    ``prediction``: sent as OpenAI's ``prediction`` (our server; ``accepted_prediction_tokens`` from
+    the usage is returned); ``ignore_eos`` False: the answer ends at the end token.
     ``speculation`` (``"on"``, ``"off"``, ``"adaptive"``; None: the server's mode) is sent as the
     per-request ``speculation`` extension. ``peer``: a llama.cpp server, which streams no token
     ids: its first token is the first chunk with text, and its tokens are the ``usage`` (or
@@ -438,7 +461,10 @@ def one_request(
     text: list[str] = []
     chunks, usage_tokens = 0, None
     before_end: str | None = None
-    extra: dict[str, Any] = {"ignore_eos": True}
+    extra: dict[str, Any] = {"ignore_eos": True} if ignore_eos else {}
+    if prediction is not None and not peer:
+        extra["prediction"] = {"type": "content", "content": prediction}
+    accepted_prediction = None
     if peer:  # our server keeps no prompt cache: the peer recomputes every prompt too
         extra["cache_prompt"] = False
     else:
@@ -452,11 +478,14 @@ def one_request(
         temperature=0,
         stream=True,
         extra_body=extra,
-        **({"stream_options": {"include_usage": True}} if peer else {}),
+        **({"stream_options": {"include_usage": True}} if peer or prediction is not None else {}),
     )
     for chunk in stream:
         if getattr(chunk, "usage", None) is not None and chunk.usage.completion_tokens:
             usage_tokens = chunk.usage.completion_tokens
+            details = getattr(chunk.usage, "completion_tokens_details", None)
+            if details is not None and getattr(details, "accepted_prediction_tokens", None) is not None:
+                accepted_prediction = details.accepted_prediction_tokens
         timings = (chunk.model_extra or {}).get("timings")
         if isinstance(timings, dict) and timings.get("predicted_n") and usage_tokens is None:
             usage_tokens = int(timings["predicted_n"])
@@ -482,6 +511,7 @@ def one_request(
         "token_ids": ids,
         "text": "".join(text),
         "text_before_end": before_end,
+        "accepted_prediction_tokens": accepted_prediction,
     }
 
 
@@ -507,8 +537,10 @@ def send_round(
     max_tokens: int,
     speculation: str | None,
     end_ids: frozenset[int] = frozenset(),
+    predictions: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One round: wall time, every request's result and the ``/metrics`` counters' increase."""
+    """One round: wall time, every request's result and the ``/metrics`` counters' increase.
+    ``predictions``: per chat, the prediction our server gets (``--edits``: then no ``ignore_eos``)."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -523,7 +555,10 @@ def send_round(
                 if not queue:
                     return
                 index, chat = queue.pop(0)
-            results[index] = one_request(client, chat, max_tokens, speculation, server.peer, end_ids)
+            prediction = (predictions or {}).get(chat)
+            results[index] = one_request(
+                client, chat, max_tokens, speculation, server.peer, end_ids, prediction, ignore_eos=predictions is None
+            )
 
     tic = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -575,6 +610,7 @@ def summarize(rounds: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "phase_ms": phase_ms,
         "token_ids": [r["token_ids"] for r in done],
+        "accepted_prediction_tokens": sum(r.get("accepted_prediction_tokens") or 0 for r in done),
         "texts": [r.get("text", "") for r in done],
         "texts_before_end": [r.get("text_before_end") for r in done],
     }
@@ -688,7 +724,9 @@ def report(results: dict[str, Any]) -> str:
         "# specdecode serve: load benchmark",
         "",
         f"{results['date']}, {machine_line(results['machine'])}; {_setup_line(results)}, greedy, "
-        f"{results['args']['max_tokens']} tokens per request (ignore_eos), --max-batch-size "
+        f"{results['args']['max_tokens']} tokens per request "
+        f"({'code edits, a prediction, the end token ends' if results['args'].get('edits') else 'ignore_eos'}), "
+        "--max-batch-size "
         f"{results['args']['max_batch_size']}. Servers: {results.get('server', 'one per mode')}; "
         f"{results['args'].get('rounds', 1)} round(s) per level.",
     ]
@@ -786,7 +824,7 @@ def report(results: dict[str, Any]) -> str:
                 + " (reported, not a check: the peer runs other kernels; past 256 cached tokens its one-token "
                 "flash attention splits the cells among the threads, and batched passes round by their size).",
             ]
-        if any(
+        if not results["args"].get("edits") and any(
             lvl["output_tokens"] != lvl["requests"] * results["args"]["max_tokens"] for lvl in results["modes"][peer]
         ):
             lines += [
@@ -805,6 +843,13 @@ def report(results: dict[str, Any]) -> str:
         if "on" in c1 and "off" in c1:
             kept = (c1["on"] / c1["off"]) / eng["speedup"]
             lines.append(f"The server's speedup at concurrency 1 (on / off) keeps {kept:.0%} of it.")
+    if results["args"].get("edits"):  # OpenAI's usage.completion_tokens_details of our modes
+        accepted = ", ".join(
+            f"{m} c={x['concurrency']}: {x.get('accepted_prediction_tokens', 0)} of {x['output_tokens']}"
+            for m in modes
+            for x in results["modes"][m]
+        )
+        lines += ["", f"Accepted prediction tokens (`usage.completion_tokens_details`): {accepted}."]
     lines += ["", f"Identical token ids across our modes: {results['identical_across_modes']}.", ""]
     return "\n".join(lines)
 
@@ -836,6 +881,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     counts = {c: args.requests or max(4, 2 * c) for c in levels}
     chats = load_chats(args, max(counts.values()))
+    predictions = {p.turns[0]: p.prediction for p in load_edits(args)} if args.edits else None
     given = sys.argv[1:] if argv is None else argv
     end_ids = end_token_ids(setup["target_gguf"]) if peer else frozenset()
     results: dict[str, Any] = {
@@ -891,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         server = next(iter(servers.values())) if shared else servers[mode]
                         speculation = mode if shared else None
-                    part = send_round(server, batch, c, args.max_tokens, speculation, end_ids)
+                    part = send_round(server, batch, c, args.max_tokens, speculation, end_ids, predictions)
                     parts[mode].append(part)
                     tps = sum(x["tokens"] for x in part["done"]) / part["wall_s"]
                     print(f"{mode:>8} c={c} round {r}: {tps:.2f} tok/s", flush=True)
