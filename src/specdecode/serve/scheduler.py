@@ -495,7 +495,7 @@ class Scheduler:
             if s.gate is not None:  # its sent draft's outcome (a lone row's); what a withheld draft would have got
                 s.gate.observe(len(draft) if alone else 0, n, result.tokens)
                 s.stats.gated_draft_tokens = s.gate.gated_tokens
-            if alone:  # a one-row pass: what it cost (the gates' prices)
+            if len(seqs) == 1:  # a one-row pass: what it cost (the draft gates' prices)
                 self.pass_costs.observe(
                     len(draft) + 1, int(row_logits.shape[0]), seconds, self._clock() - t1, whole=not draft.early_stop
                 )
