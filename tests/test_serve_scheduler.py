@@ -551,3 +551,43 @@ def test_a_lone_greedy_adaptive_request_drafts_through_its_draft_gate(chat_model
         run(scheduler)
         spec = check(client)
         assert (spec["draft_tokens"] > 0) == sent and (spec["gated_draft_tokens"] > 0) == (not sent)
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "suffix"])
+def test_a_pooled_proposer_drafts_what_a_new_one_would(chat_models, tiny_tokenizer, proposer) -> None:
+    """A request's proposer comes from the pool (built once) and drafts exactly what one built for
+    it alone drafts: nothing of the earlier request leaks into it (the draft's cache; suffix
+    decoding's store of earlier outputs, which would draft the repeated prompt's whole answer)."""
+    target, _ = chat_models
+    ps = prompts(tiny_tokenizer)
+    alone = make(chat_models, tiny_tokenizer, speculation="on")
+    first = Client(ps[1], 20, proposer=proposer)
+    alone.submit(first.req)
+    run(alone)
+    pooled = make(chat_models, tiny_tokenizer, speculation="on")
+    for client in (Client(ps[1], 20, proposer=proposer), Client(ps[3], 25, proposer=proposer)):
+        pooled.submit(client.req)
+        run(pooled)
+    again = Client(ps[1], 20, proposer=proposer)
+    pooled.submit(again.req)
+    run(pooled)
+    assert (pooled.proposer_pool.built, pooled.proposer_pool.reused) == (1, 2)
+    assert again.tokens == first.tokens == reference(target, tiny_tokenizer, ps[1], 20)
+    fields = ("drafts", "draft_tokens", "accepted_tokens", "target_forward_passes")
+    spec_alone, spec_pooled = first.final.summary["speculative"], again.final.summary["speculative"]
+    assert spec_alone["drafts"] > 0
+    assert {f: spec_pooled[f] for f in fields} == {f: spec_alone[f] for f in fields}
+
+
+def test_a_proposer_that_failed_is_not_given_back(chat_models, tiny_tokenizer) -> None:
+    scheduler = make(chat_models, tiny_tokenizer, speculation="on")
+    c = Client(prompts(tiny_tokenizer)[0], 10)
+    scheduler.submit(c.req)
+    scheduler.run_once()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("draft exploded")
+
+    scheduler.active[0].proposer.propose = broken
+    run(scheduler)
+    assert c.final.summary["speculative"]["proposer_error"] and scheduler.proposer_pool.idle() == 0

@@ -9,7 +9,8 @@ scheduler thread loops:
    and emit each one's first token (the target's own);
 1. **draft**: decide each running sequence's k for this step (:mod:`specdecode.cost.serve_model`,
    ``--speculation``) and ask its own proposer (one instance per sequence, built by
-   :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not) for k tokens;
+   :func:`specdecode.proposers.make_proposer`; draft weights shared, caches not; kept between
+   requests in :class:`~specdecode.serve.proposer_pool.ProposerPool`) for k tokens;
 2. **score**: ONE batched target pass over every row's ``[last token + draft]`` (ragged,
    :class:`~specdecode.models.torch.batch.TorchBatchedRunner`);
 3. **verify** each row with :func:`specdecode.verify.verify` and the request's own
@@ -59,6 +60,7 @@ from specdecode.serve.admission import Admission, available_proposers
 from specdecode.serve.audit import AuditLog, audit_record
 from specdecode.serve.config import ServeSettings
 from specdecode.serve.prometheus import ServeMetrics
+from specdecode.serve.proposer_pool import ProposerPool
 from specdecode.serve.request import Event, QueueFullError, ServeRequest, usage
 from specdecode.serve.sequence import RunningSequence, speculative_summary
 from specdecode.stats import SpecStats
@@ -127,6 +129,11 @@ class Scheduler:
             settings, target, draft, self.backend, returns_hidden=self.runner.capabilities.returns_hidden
         )
         self.admission = Admission(settings, self.runner.max_length, self.runner.vocab_size, proposers)
+        # proposers outlive their requests (a draft model's runner, its graphs): taken at a start, given back at a leave
+        self.proposer_pool = ProposerPool(
+            lambda name, options: make_proposer(name, draft=self.draft, target=self.target, **options),
+            settings.max_batch_size,
+        )
         self.active: list[RunningSequence] = []  # active[i].row == i
         self.reserved = 0
         self._prior: dict[str, float] = {}
@@ -305,8 +312,9 @@ class Scheduler:
         cost = measure_target_costs(self.target, batch_sizes, tokens)  # own cache
         name = self.settings.proposer
         if name is not None:  # other proposers are measured on their first use (CostModel.observe_draft)
-            proposer = make_proposer(name, draft=self.draft, target=self.target, **self.settings.proposer_options)
+            proposer, key = self.proposer_pool.take(name, self.settings.proposer_options)
             cost.draft_s_per_token[name] = measure_draft_cost(proposer, self.vocab_size, k)
+            self.proposer_pool.give(key, proposer)  # the first request's, once cleared and reset
         log.info("cost model measured in %.2f s: %s", time.perf_counter() - tic, cost.to_dict())
         return cost
 
@@ -383,12 +391,12 @@ class Scheduler:
 
     def _start(self, req: ServeRequest) -> RunningSequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
-        proposer = None
+        proposer = pooled = None
         if req.speculative and req.proposer is not None and self.admission.mode(req) != "off":
             options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
             try:
-                proposer = make_proposer(req.proposer, draft=self.draft, target=self.target, **options)
-                proposer.reset()
+                proposer, key = self.proposer_pool.take(req.proposer, options)  # cleared and reset
+                pooled = (key, proposer)
             except Exception as error:
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build proposer {req.proposer!r}: {error}")
@@ -400,6 +408,8 @@ class Scheduler:
             try:
                 constraint = make_constraint_state(req.constraint, self.tokenizer, self.vocab_size, self.eos)
             except Exception as error:
+                if pooled is not None:
+                    self.proposer_pool.give(*pooled)
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build the constraint: {error}")
                 return None
@@ -416,6 +426,7 @@ class Scheduler:
         )
         if proposer is not None and req.sampling.greedy and self.admission.mode(req) == "adaptive":
             seq.gate = DraftGate(self.pass_costs)  # as the engine's default schedule: see _plan
+        seq.pooled = pooled
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
         self.metrics.prompt_tokens.inc(seq.prompt_len)
@@ -590,6 +601,9 @@ class Scheduler:
         if s not in self.active:
             return
         moved = self.runner.remove_row(s.row)
+        if s.pooled is not None and s.proposer_error is None:  # a proposer that failed is not kept
+            self.proposer_pool.give(*s.pooled)
+            s.pooled = None
         last = self.active.pop()
         if moved is not None:
             self.active[s.row] = last

@@ -14,6 +14,7 @@ from specdecode.decode_state import DecodeState
 from specdecode.draft_gate import DraftGate
 from specdecode.proposers.base import Proposer
 from specdecode.proposers.prediction import prediction_record, with_prediction
+from specdecode.serve.proposer_pool import PoolKey
 from specdecode.serve.request import ServeRequest, usage
 from specdecode.stats import SpecStats
 
@@ -67,6 +68,7 @@ class RunningSequence(DecodeState):
         self.proposer_error: str | None = None  # the proposer failed; the sequence went on without it
         self.drafted_at: int | None = None  # context length at the proposer's last call
         self.gate: DraftGate | None = None  # a greedy adaptive request's draft gate (the scheduler's)
+        self.pooled: tuple[PoolKey, Proposer] | None = None  # the proposer taken from the scheduler's pool, unwrapped
 
     def behind(self) -> int:
         """Context tokens the proposer has to catch up on before drafting: 0 right after its

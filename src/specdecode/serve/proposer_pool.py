@@ -1,0 +1,81 @@
+"""Proposers kept between a server's requests, so that a request does not build its own.
+
+A proposer that runs a model (``draft_model``, the hybrid, the cross-tokenizer draft) holds a runner:
+a llama.cpp context with its KV cache, or a torch static cache with its CUDA graphs. Built per
+request, that cost 74-330 ms before the request's first draft on the 2-core AMD EPYC (the default
+0.5B GGUF draft: a new llama.cpp context each time, 2026-12-02), and on a GPU a graph capture per
+pass width. The scheduler takes a proposer from its :class:`ProposerPool` when a request starts and
+gives it back when the request leaves the batch; a proposer taken again is first cleared
+(``clear_cache``: what it keeps across requests, e.g. suffix decoding's earlier outputs) and reset
+(``reset``: the request in progress), which the proposer contract (:class:`~specdecode.proposers.base.Proposer`)
+says leaves the state of a new instance, so a pooled proposer drafts exactly what a new one would
+and no request's drafts depend on another's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from specdecode.proposers.base import Proposer
+
+PoolKey = tuple[str, str]
+"""A proposer's name and a canonical text of its options: proposers built alike share a key."""
+
+
+def pool_key(name: str, options: Mapping[str, Any]) -> PoolKey:
+    """The key of proposer ``name`` built with ``options`` (keyword arguments of
+    :func:`~specdecode.proposers.make_proposer`; values compared by ``repr``)."""
+    return name, repr(sorted(options.items()))
+
+
+class ProposerPool:
+    """Idle proposers by :func:`pool_key`, at most ``max_idle`` per key.
+
+    Args:
+        build: makes a new proposer from a name and options (the scheduler's
+            :func:`~specdecode.proposers.make_proposer` over its target and draft); its errors reach
+            :meth:`take`'s caller.
+        max_idle: the most idle proposers kept per key (the server's ``max_batch_size``: no more
+            are ever in use at once); a proposer given back beyond it is dropped.
+
+    Attributes:
+        built: proposers :meth:`take` built; reused: those it took from the pool.
+
+    Raises:
+        ValueError: ``max_idle`` < 0.
+    """
+
+    def __init__(self, build: Callable[[str, Mapping[str, Any]], Proposer], max_idle: int) -> None:
+        if max_idle < 0:
+            raise ValueError(f"max_idle must be >= 0, got {max_idle}")
+        self._build = build
+        self.max_idle = max_idle
+        self._idle: dict[PoolKey, list[Proposer]] = {}
+        self.built = 0
+        self.reused = 0
+
+    def take(self, name: str, options: Mapping[str, Any]) -> tuple[Proposer, PoolKey]:
+        """A proposer ``name`` with ``options`` in the state of a new one (cleared and reset), and
+        the key to :meth:`give` it back under."""
+        key = pool_key(name, options)
+        idle = self._idle.get(key)
+        if idle:
+            proposer = idle.pop()
+            self.reused += 1
+        else:
+            proposer = self._build(name, options)
+            self.built += 1
+        proposer.clear_cache()
+        proposer.reset()
+        return proposer, key
+
+    def give(self, key: PoolKey, proposer: Proposer) -> None:
+        """Keep ``proposer`` (taken under ``key``, its request over) for a later :meth:`take`."""
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < self.max_idle:
+            idle.append(proposer)
+
+    def idle(self) -> int:
+        """Proposers kept now, over every key."""
+        return sum(len(v) for v in self._idle.values())
