@@ -378,8 +378,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """With ``SPECDECODE_TEST_CPU_TIMES=FILE``, append a line per test to FILE: its node id, the
     CPU seconds this process and its waited-for children spent on it (setup, call and teardown:
-    every thread counts), and its wall seconds, tab-separated. The suite is CPU-bound on 2 cores, so
-    CPU time, not a test's duration under a busy neighbour, says what a test costs."""
+    every thread counts), its wall seconds, and this process's peak resident memory so far (GiB: the
+    test that raises it is the one that sets the suite's peak), tab-separated. The suite is
+    CPU-bound on 2 cores, so CPU time, not a test's duration under a busy neighbour, says what a
+    test costs."""
     out = os.environ.get("SPECDECODE_TEST_CPU_TIMES")
     if not out:
         yield
@@ -394,4 +396,5 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     cpu_0, wall_0 = cpu(), time.perf_counter()
     yield
     with open(out, "a") as f:
-        f.write(f"{item.nodeid}\t{cpu() - cpu_0:.2f}\t{time.perf_counter() - wall_0:.2f}\n")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB on Linux
+        f.write(f"{item.nodeid}\t{cpu() - cpu_0:.2f}\t{time.perf_counter() - wall_0:.2f}\t{peak:.2f}\n")
