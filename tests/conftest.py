@@ -315,9 +315,14 @@ def real_pair(real_bf16_pair: Any) -> Any:
     return SpeculativeGenerator.from_loaded(real_bf16_pair)
 
 
-ONE_UNIT_FILES = frozenset({"test_serve_replicas.py"})
-"""Test files whose tests run in one worker as one unit: they share a module-scoped fixture that is
-dear to build (a local Ray cluster: 20-37 s to start on 2 cores), which two workers would each build."""
+FIRST_FILES = frozenset({"test_serve_replicas.py"})
+"""Test files that run first in the real models' worker, before any real model loads, as part of its
+unit: a module-scoped fixture dear to build (a local Ray cluster, 20-37 s to start on 2 cores) is
+built once, and its processes (which inherit the worker's CPU priority) start at normal priority
+while the other worker runs the tiny models' tests at ``nice`` 10. In the other worker, first at
+normal priority beside the real models' loads, Ray Serve's proxy did not start in time on the
+2-core AMD EPYC (Zen 4); at ``nice`` 10 there its replacement replica did not answer within 180 s
+(2026-12-02)."""
 
 REAL_MODEL_FILES = frozenset({
     "test_contract.py", "test_exact_bf16.py", "test_llamacpp.py", "test_llamacpp_check.py",
@@ -333,17 +338,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     :data:`REAL_MODEL_FILES` runs in one worker, in collection order, and it starts first (the
     longest unit of work); every other test is a unit of its own, spread over the workers. So two
     workers never hold the real models at once (memory) nor run two llama.cpp thread pools on the
-    same cores, while the tiny models' tests, single-threaded, fill the other core; the tests of each
-    file in :data:`ONE_UNIT_FILES` are one unit too (their module fixture is built once). (A scheduler of
+    same cores, while the tiny models' tests, single-threaded, fill the other core; the tests of the
+    files in :data:`FIRST_FILES` run in that unit, first (their module fixture is built once). (A scheduler of
     our own rather than ``--dist loadgroup``: pytest 9.2 drops xdist's group suffix, pytest-xdist#1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class RealModelsInOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             name = Path(nodeid.split("::", 1)[0]).name
-            if name in REAL_MODEL_FILES:
-                return "real_models"
-            return name if name in ONE_UNIT_FILES else nodeid
+            return "real_models" if name in REAL_MODEL_FILES or name in FIRST_FILES else nodeid
 
     return RealModelsInOneWorker(config, log)
 
@@ -356,29 +359,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     the tiny models' tests: :func:`pytest_xdist_make_scheduler` gives the real models' tests to the
     other, first) lowers its CPU priority (``nice`` 10) for the rest of the run: on 2 cores the
     real models' llama.cpp thread pool then keeps both cores when it computes, and the tiny tests
-    take the time it leaves (a contended thread pool waits at every barrier). A file of
-    :data:`ONE_UNIT_FILES` (the Ray replicas' tests, the second-largest unit, so the other worker's
-    first) runs before that at normal priority: its local Ray cluster's processes inherit the
-    worker's priority, and at ``nice`` 10 beside the real models' worker they started so slowly on
-    the 2-core AMD EPYC (Zen 4) that a replacement replica did not answer within 180 s (2026-12-02)."""
+    take the time it leaves (a contended thread pool waits at every barrier)."""
     global _WORKER_PRIORITY_SET
     if _WORKER_PRIORITY_SET or "PYTEST_XDIST_WORKER" not in os.environ:
         return
-    name = item.path.name
-    if name in ONE_UNIT_FILES:
-        return  # decided at the worker's next file
     _WORKER_PRIORITY_SET = True
-    if name not in REAL_MODEL_FILES:
+    if item.path.name not in REAL_MODEL_FILES and item.path.name not in FIRST_FILES:
         os.nice(10)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests of the real torch pair (``real_bf16_pair``, the largest models in memory) run last,
-    in their order; every other test keeps its place."""
+    """The tests of :data:`FIRST_FILES` run first and those of the real torch pair
+    (``real_bf16_pair``, the largest models in memory) last, each in their order; every other test
+    keeps its place."""
+    first = [item for item in items if item.path.name in FIRST_FILES]
     last = [item for item in items if "real_bf16_pair" in getattr(item, "fixturenames", ())]
-    if last:
-        chosen = set(last)
-        items[:] = [item for item in items if item not in chosen] + last
+    if first or last:
+        chosen = set(first) | set(last)
+        items[:] = first + [item for item in items if item not in chosen] + last
 
 
 @pytest.hookimpl(hookwrapper=True)

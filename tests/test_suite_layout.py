@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import ONE_UNIT_FILES, REAL_MODEL_FILES
+from conftest import FIRST_FILES, REAL_MODEL_FILES
 
 TESTS = Path(__file__).resolve().parent
 LOADS_REAL_MODELS = re.compile(
@@ -26,10 +26,10 @@ def test_every_file_that_loads_the_real_models_runs_in_the_real_models_worker() 
     assert not missing, f"conftest.REAL_MODEL_FILES names files that are gone: {sorted(missing)}"
 
 
-def test_the_files_kept_in_one_unit_exist_and_share_a_module_fixture() -> None:
-    """``conftest.ONE_UNIT_FILES``: each names a file that is there and has a module-scoped fixture
-    (what keeping its tests together saves), and none is a real-model file (already one unit)."""
-    for name in ONE_UNIT_FILES:
+def test_the_files_run_first_exist_and_share_a_module_fixture() -> None:
+    """``conftest.FIRST_FILES``: each names a file that is there and has a module-scoped fixture
+    (what keeping its tests together saves), and none is a real-model file (those keep their order)."""
+    for name in FIRST_FILES:
         text = (TESTS / name).read_text(encoding="utf-8")
         assert '@pytest.fixture(scope="module")' in text, f"{name} has no module fixture to share"
-    assert not ONE_UNIT_FILES & REAL_MODEL_FILES
+    assert not FIRST_FILES & REAL_MODEL_FILES
