@@ -75,8 +75,9 @@ def collapse(mappings: set[tuple[int, int]]) -> int:
     """Ask for 2 MiB pages on ``mappings`` (from :func:`anonymous_mappings`) and collapse what is
     resident there; returns the bytes now in huge pages (0 where the system offers none).
 
-    Best effort: a chunk the kernel refuses is skipped and nothing is raised (on the 2-core EPYC 175
-    of the default target's ~500 chunks answer ``EINVAL``; why was not looked into)."""
+    Best effort: a chunk the kernel refuses is skipped and nothing is raised (on the 2-core AMD EPYC
+    all 298 chunks of the default target's repacked buffer collapse; the ``EINVAL`` refusals seen
+    there are in another process mapping that a load may leave beside it, not the weights)."""
     madvise = _madvise()
     if madvise is None:
         return 0
