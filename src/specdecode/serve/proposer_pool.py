@@ -2,9 +2,13 @@
 
 A proposer that runs a model (``draft_model``, the hybrid, the cross-tokenizer draft) holds a runner:
 a llama.cpp context with its KV cache, or a torch static cache with its CUDA graphs. Built per
-request, that cost 74-330 ms before the request's first draft on the 2-core AMD EPYC (the default
-0.5B GGUF draft: a new llama.cpp context each time, 2026-12-02), and on a GPU a graph capture per
-pass width. The scheduler takes a proposer from its :class:`ProposerPool` when a request starts and
+request, that cost 74-80 ms (330 ms for a process's first two) before the request's first token on
+the 2-core AMD EPYC (the default 0.5B GGUF draft: a new llama.cpp context each time, 2026-12-02),
+and on a GPU a graph capture per pass width. The calibration's proposer (built in a thread of its
+own that has ended) joins the pool too: a llama.cpp context is not bound to a thread; a torch draft's
+CUDA graphs replayed from another thread than their capture's are not tested on a GPU yet.
+
+The scheduler takes a proposer from its :class:`ProposerPool` when a request starts and
 gives it back when the request leaves the batch; a proposer taken again is first cleared
 (``clear_cache``: what it keeps across requests, e.g. suffix decoding's earlier outputs) and reset
 (``reset``: the request in progress), which the proposer contract (:class:`~specdecode.proposers.base.Proposer`)

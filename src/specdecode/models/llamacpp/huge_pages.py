@@ -77,7 +77,7 @@ def collapse(mappings: set[tuple[int, int]]) -> int:
 
     Best effort: a chunk the kernel refuses is skipped and nothing is raised (on the 2-core AMD EPYC
     all 298 chunks of the default target's repacked buffer collapse; the ``EINVAL`` refusals seen
-    there are in another process mapping that a load may leave beside it, not the weights)."""
+    there were in a 64 MiB mapping that is not the model's)."""
     madvise = _madvise()
     if madvise is None:
         return 0
