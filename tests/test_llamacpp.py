@@ -211,25 +211,29 @@ def _two_token_pass_matches_one_token_passes(runner, cached: int) -> bool:
     return torch.equal(runner.forward(IDS[cached : cached + 2], num_logits=2), singles)
 
 
-def test_exact_mode_runs_flash_attention_on_reference_kernels_for_short_passes_only(target) -> None:
+def test_exact_mode_runs_flash_attention_on_reference_kernels(target) -> None:
     """Exact mode keeps llama.cpp's flash attention on and switches ggml's CPU reference kernels on
-    for passes of at most ``invariant_tokens`` tokens (``models/llamacpp/kernels.py``); a prefill runs
-    the fast kernels. The switch is what makes the invariance test above pass after 600 cached
-    tokens: held off, llama.cpp sums a one-token pass over 512+ cells in per-thread chunks and the
-    2-token pass rounds differently (if a llama.cpp update changes that, re-measure and update
-    docs/llamacpp.md)."""
+    (``models/llamacpp/kernels.py``): on the set-up's patched build for every pass, prefills included
+    (``every_pass``: each cell is what one-token decoding writes, so a reused prefix is exact); on an
+    unpatched one for passes of at most ``invariant_tokens`` tokens, a prefill on the fast kernels.
+    The switch is what makes the invariance test above pass after 600 cached tokens: held off,
+    llama.cpp sums a one-token pass over 512+ cells in per-thread chunks and the 2-token pass rounds
+    differently (if a llama.cpp update changes that, re-measure and update docs/llamacpp.md)."""
+    from specdecode.models.llamacpp.kernels import invariant_rows
+
     runner = target.make_runner(n_ctx=1024)
     kernels = runner.reference_kernels
     assert kernels is not None, "setup.sh's CPU build offers ggml_backend_cpu_set_use_ref"
+    assert kernels.every_pass == (invariant_rows() > 0) and runner.reuses_prefixes == kernels.every_pass
     runner.forward(IDS[:600])
-    assert not kernels.on  # the prefill: the fast (tiled, split) kernels
+    assert kernels.on == kernels.every_pass  # the prefill: fast (tiled, split) kernels unless every pass
     runner.forward(IDS[600:601])
     assert kernels.on
     short = target.make_runner(n_ctx=256)
-    short.forward(IDS[:40])  # a prompt's first pass of 40 tokens: the fast kernels too
-    assert not short.reference_kernels.on
+    short.forward(IDS[:40])  # a prompt's first pass of 40 tokens
+    assert short.reference_kernels.on == kernels.every_pass
     short.forward(IDS[40:60], num_logits=20)  # a verification pass of 20: invariant, reference kernels
-    assert short.reference_kernels.on == (target.options.invariant_tokens >= 20)
+    assert short.reference_kernels.on == (target.options.invariant_tokens >= 20 or kernels.every_pass)
     held_off = target.make_runner(n_ctx=1024)
     held_off.reference_kernels = None  # flash attention on, llama.cpp's own kernels throughout
     assert not _two_token_pass_matches_one_token_passes(held_off, 600)

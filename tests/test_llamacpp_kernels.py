@@ -36,3 +36,14 @@ def test_a_prompts_first_pass_keeps_the_fast_kernels_past_three_tokens() -> None
     assert kernels.on and calls == [True]
     kernels.before_pass(65)
     assert not kernels.on and calls == [True, False]
+
+
+def test_every_pass_keeps_the_switch_on_prefills_included() -> None:
+    """On a patched build (``every_pass``) every pass runs on the reference kernels, a prompt's
+    first pass of any width included: each cell is what one-token decoding writes."""
+    calls: list[bool] = []
+    kernels = ReferenceKernels(lambda backend, on: calls.append(on), 1, invariant_tokens=64, every_pass=True)
+    for n, prompt in ((512, True), (40, True), (1, False), (65, False)):
+        kernels.before_pass(n, prompt=prompt)
+        assert kernels.on
+    assert calls == [True]

@@ -118,6 +118,7 @@ class DecodeState:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.ignore_eos = ignore_eos
         self.prompt_len = P
+        self.cached_tokens = 0  # prompt tokens whose cells the runner holds already (prefix caching)
         self.limit = min(sampling.max_new_tokens, max_length - P)
         self.context = torch.empty(P + self.limit + max_k + 1, dtype=torch.int64)
         self.context[:P] = prompt
@@ -142,6 +143,11 @@ class DecodeState:
     def prompt_ids(self) -> torch.Tensor:
         """The prompt, int64 ``[P]`` (a view of :attr:`context`)."""
         return self.context[: self.prompt_len]
+
+    def prefill_ids(self) -> torch.Tensor:
+        """The prefill's tokens: the prompt after its :attr:`cached_tokens` (which the runner's cells
+        hold already: a reused prefix, :mod:`specdecode.models.prefix_cache`), int64 ``[P - cached]``."""
+        return self.context[self.cached_tokens : self.prompt_len]
 
     def room(self) -> int:
         """The most tokens it may draft in the next step: what the length limit leaves after the

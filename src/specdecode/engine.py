@@ -178,11 +178,15 @@ class SpeculativeGenerator:
         proposer: any :class:`~specdecode.proposers.base.Proposer` (instead of ``draft``).
 
     Attributes:
-        reuse_prompt: a generation whose prompt is the previous generation's skips the target's
-            prefill where its runner keeps it (``capabilities.prompt_reuse``: llama.cpp's and the eager
-            torch runner; exact bit for bit, :mod:`specdecode.models.first_pass`;
-            ``stats.prefill_reused`` says so); default True. The bench and the cost measurements set
-            it False: they time whole generations.
+        reuse_prompt: prefix caching across generations, where the target's runner keeps its
+            cells (``capabilities.prompt_reuse``): on llama.cpp a prompt that shares a prefix with
+            the previous sequence (a conversation's next turn, the same system prompt) prefills
+            only the rest, as llama-cpp-python's ``Llama.generate`` does (``stats.cached_tokens``);
+            on llama.cpp and the eager torch runner the previous generation's own prompt skips the
+            prefill (``stats.prefill_reused``). Exact bit for bit (:mod:`specdecode.models.first_pass`,
+            :meth:`LlamaCppRunner.restart <specdecode.models.llamacpp.LlamaCppRunner.restart>`).
+            Default True; False prefills every prompt whole (the bench and the cost measurements,
+            which time whole generations).
 
     Raises:
         IncompatibleModelsError: the draft's vocabulary size differs from the target's.
@@ -375,6 +379,7 @@ class SpeculativeGenerator:
 
         (result,), (logits,) = loop_steps.prefill([state], forward, clock)  # (1, V); the first token
         stats.prefill_reused = restart and target.reused_prompt  # type: ignore[attr-defined]
+        stats.cached_tokens = target.cached_tokens if restart else 0  # type: ignore[attr-defined]
         chain = proposer is not None and tree is None  # the widths of the passes to come: 1 + drafted,
         target.prepare_widths(range(1, schedule.k + 2) if chain else (1,))  # up to the starting k; CUDA graphs
         yield state.append(result.tokens, logits)  # logits: the rows of log-probabilities, if asked

@@ -60,20 +60,22 @@ def report(
 def prefill(
     states: Sequence[DecodeState], forward: RowsForward, clock: Clock, observers: Sequence[PassObserver] = ()
 ) -> tuple[list[VerifyResult], list[torch.Tensor]]:
-    """One pass over the prompts of ``states`` (consecutive new rows, nothing cached yet); each
-    one's first token, the target's own (under a constraint: from the masked distribution).
+    """One pass over the prompts of ``states`` (consecutive new rows, each caching its prompt's
+    first ``cached_tokens`` already: a reused prefix, else nothing); each one's first token, the
+    target's own (under a constraint: from the masked distribution).
 
-    Each state gets its prompt's features (``after_prefill``: ``[P, H]`` where its proposer reads
-    them) and the pass is reported (``prefill=True``).
+    Each state gets the features of the tokens fed (``after_prefill``: ``[P - cached, H]`` where its
+    proposer reads them) and the pass is reported (``prefill=True``, the tokens fed per row).
 
     Returns:
         per state its :class:`~specdecode.verify.VerifyResult` (one token, ``num_accepted`` 0) and
         its logits ``[1, V]`` (the last prompt position's: log-probabilities of the first token).
     """
     tic = clock()
-    logits, hidden = forward([s.prompt_ids for s in states], [1] * len(states), None)  # per row (1, V), (P, H) | None
+    inputs = [s.prefill_ids() for s in states]
+    logits, hidden = forward(inputs, [1] * len(states), None)  # per row (1, V), (P - cached, H) | None
     seconds = clock() - tic
-    report(states, [s.prompt_len for s in states], seconds, observers, prefill=True)
+    report(states, [x.shape[0] for x in inputs], seconds, observers, prefill=True)
     results = []
     for s, row_logits, row_hidden in zip(states, logits, hidden, strict=True):
         s.after_prefill(row_hidden)  # (P, H): every prompt position

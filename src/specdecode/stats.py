@@ -43,6 +43,8 @@ class SpecStats:
         prefill_time_s: seconds in the target's prefill pass.
         prefill_reused: the prompt was the previous generation's and the target's runner answered
             its prefill from the one it kept, with no pass (``SpeculativeGenerator.reuse_prompt``).
+        cached_tokens: prompt tokens whose KV the target's cache held already (the longest common
+            prefix with the previous sequence, or a server's cached prefix), not prefilled again.
         draft_time_s: seconds in ``proposer.propose`` (all steps).
         target_time_s: seconds in the target's verification passes (prefill excluded).
         forced_draft_tokens: under a constraint, tokens the grammar forced that were drafted for
@@ -90,6 +92,7 @@ class SpecStats:
     time_to_first_token_s: float = 0.0
     prefill_time_s: float = 0.0
     prefill_reused: bool = False
+    cached_tokens: int = 0
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     forced_draft_tokens: int = 0
@@ -173,6 +176,7 @@ class SpecStats:
             "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_time_s": self.prefill_time_s,
             "prefill_reused": self.prefill_reused,
+            "cached_tokens": self.cached_tokens,
             "draft_time_s": self.draft_time_s,
             "target_time_s": self.target_time_s,
             "draft_cost_ratio": self.draft_cost_ratio,

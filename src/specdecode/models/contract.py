@@ -73,7 +73,13 @@ class RunnerCapabilities:
         prompt_reuse: the runner has ``restart(input_ids, num_logits=1, return_hidden=False)``: a
             new sequence's first pass, answered without a pass when the previous sequence also began
             with a ``restart`` of the same arguments and the cache still holds its entries (exact bit for bit:
-            :mod:`specdecode.models.first_pass`); its ``reused_prompt`` then says whether it was.
+            :mod:`specdecode.models.first_pass`); its ``reused_prompt`` then says whether it was, and
+            ``cached_tokens`` how many prompt tokens it did not feed (llama.cpp's runner also keeps
+            the longest common prefix with the cached sequence).
+        prefix_cache: a batched runner whose rows are slots with KV cells of their own: a leaving
+            row may keep its cells (``remove_row(row, keep=True)``) and a new row may adopt a free
+            slot's first ``n`` cells (``add_row(slot, keep=n)``, the rest dropped), so the server's
+            prefix cache (:mod:`specdecode.models.prefix_cache`) prefills only what is new.
     """
 
     backend: str
@@ -86,6 +92,7 @@ class RunnerCapabilities:
     greedy_stop_rows: int | None = None
     greedy_stop_then: int | None = None
     prompt_reuse: bool = False
+    prefix_cache: bool = False
 
     def require(self, capability: str, runner: object, need: str) -> None:
         """Raise :class:`CapabilityError` unless ``capability`` (a field name) is True.
@@ -252,13 +259,16 @@ class BatchedRunner(Protocol):
         """Per row, its cached tokens (read only: the runner keeps it)."""
         ...
 
-    def add_row(self) -> int:
-        """Start an empty row at the end and return its index (RuntimeError when all are in use)."""
+    def add_row(self, slot: int | None = None, keep: int = 0) -> int:
+        """Start a row at the end and return its index (RuntimeError when all are in use): an empty
+        one on the lowest free slot, or (``capabilities.prefix_cache``) on ``slot`` with its first
+        ``keep`` cached tokens kept."""
         ...
 
-    def remove_row(self, row: int) -> int | None:
-        """Free ``row``; returns the former index of the row that moved into it (the last one), or
-        None when ``row`` was the last."""
+    def remove_row(self, row: int, keep: bool = False) -> int | None:
+        """Free ``row`` (``keep``, with ``capabilities.prefix_cache``: its slot keeps its cells);
+        returns the former index of the row that moved into it (the last one), or None when
+        ``row`` was the last."""
         ...
 
     def truncate(self, row: int, length: int) -> None:
@@ -312,18 +322,31 @@ class RowTable:
     def num_rows(self) -> int:
         return len(self.lengths)
 
-    def add(self) -> int:
-        """Start an empty row at the end, on the lowest free slot; returns its index.
+    @property
+    def free_slots(self) -> list[int]:
+        """Slots no row is on, lowest first."""
+        return sorted(self._free)
+
+    def add(self, slot: int | None = None, length: int = 0) -> int:
+        """Start a row at the end, on ``slot`` (None: the lowest free slot) with its first ``length``
+        tokens cached already (a prefix the slot kept: :mod:`specdecode.models.prefix_cache`);
+        returns its index.
 
         Raises:
             RuntimeError: all ``max_rows`` rows are in use.
+            ValueError: ``slot`` is not a free slot, or ``length`` is negative.
         """
         if not self._free:
             raise RuntimeError(f"all {self.max_rows} rows of the batched runner are in use")
-        slot = min(self._free)
+        if slot is None:
+            slot = min(self._free)
+        elif slot not in self._free:
+            raise ValueError(f"slot must be a free slot {sorted(self._free)}, got {slot!r}")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"length must be an integer >= 0, got {length!r}")
         self._free.remove(slot)
         self.slots.append(slot)
-        self.lengths.append(0)
+        self.lengths.append(length)
         return self.num_rows - 1
 
     def check_row(self, row: int) -> int:

@@ -47,6 +47,7 @@ from specdecode.models.llamacpp.model import (
     free_context,
     greedy_chunks,
     new_context,
+    reuses_prefixes,
 )
 from specdecode.sampling import argmax_ids
 
@@ -123,9 +124,11 @@ class LlamaCppBatchedRunner:
         ValueError: ``max_rows`` < 1, or llama.cpp cannot create the context.
     """
 
-    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=False, trees=False)
+    capabilities = RunnerCapabilities(backend="llamacpp", returns_hidden=False, trees=False, prefix_cache=True)
     """The runner contract's capabilities (:class:`~specdecode.models.contract.RunnerCapabilities`):
-    no features (``return_hidden``: the server does not offer Medusa / EAGLE on this runner;
+    prefix caching (a row's cells stay in its sequence id when it leaves with ``keep``; an instance
+    offers it where :func:`~specdecode.models.llamacpp.model.reuses_prefixes`); no features
+    (``return_hidden``: the server does not offer Medusa / EAGLE on this runner;
     ``specdecode generate`` runs them on llama.cpp, one sequence), no trees; an instance's
     ``batch_invariant`` and ``greedy_hints`` are its model's ``exact`` option, and a greedy row
     stops early where the single-sequence runner's pass does (``greedy_stop_rows``,
@@ -139,14 +142,15 @@ class LlamaCppBatchedRunner:
         self.max_rows = max_rows
         options = model.options
         stops = model.capabilities  # where a greedy pass stops early: as the single-sequence runner
+        self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
         self.capabilities = replace(
             type(self).capabilities,
             batch_invariant=options.exact,
             greedy_hints=options.exact,
             greedy_stop_rows=stops.greedy_stop_rows,
             greedy_stop_then=stops.greedy_stop_then,
+            prefix_cache=reuses_prefixes(options.exact, self.reference_kernels),
         )
-        self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx * max_rows, n_seq_max=max_rows)
         self._per_row = int(lib.llama_n_ctx(self._ctx)) // max_rows
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
@@ -181,26 +185,48 @@ class LlamaCppBatchedRunner:
         """Per row, its llama.cpp sequence id (the row table's slot)."""
         return self.rows.slots
 
-    def add_row(self) -> int:
-        """Start an empty row at the end, on the lowest free sequence id (rows' ids stay consecutive:
-        one micro-batch, see the module docstring); returns its index.
+    @property
+    def free_slots(self) -> list[int]:
+        """Sequence ids no row is on (lowest first); an idle one may still hold a kept row's cells."""
+        return self.rows.free_slots
+
+    def add_row(self, slot: int | None = None, keep: int = 0) -> int:
+        """Start a row at the end and return its index: on ``slot`` (a free sequence id; None: the
+        lowest free one, so rows' ids stay consecutive: one micro-batch, see the module docstring)
+        with the first ``keep`` cells that sequence holds kept (a prefix a leaving row kept:
+        :meth:`remove_row` ``keep``; :mod:`specdecode.models.prefix_cache`) and the rest dropped.
 
         Raises:
             RuntimeError: all ``max_rows`` rows are in use.
+            ValueError: ``slot`` is not free, or ``keep`` is negative or more than a row holds.
         """
-        row = self.rows.add()
-        self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[row], 0, -1)  # empty, whatever it held before
+        if not 0 <= keep <= self._per_row:
+            raise ValueError(f"keep must be in [0, {self._per_row}], got {keep!r}")
+        row = self.rows.add(slot, keep)
+        self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[row], keep, -1)  # whatever it held after keep
         return row
 
-    def remove_row(self, row: int) -> int | None:
-        """Free ``row`` (its cells); the last row takes its index (no data moves, only the row ->
-        sequence id map changes).
+    def remove_row(self, row: int, keep: bool = False) -> int | None:
+        """Free ``row``; the last row takes its index (no data moves, only the row -> sequence id map
+        changes). Its cells are freed, or with ``keep`` stay in its sequence (an idle cached prefix a
+        later :meth:`add_row` on that slot adopts).
 
         Returns:
             the former index of the row that moved to ``row``, or None when ``row`` was the last.
         """
-        self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[self.rows.check_row(row)], 0, -1)
+        if not keep:
+            self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[self.rows.check_row(row)], 0, -1)
         return self.rows.remove(row)
+
+    def drop_slot(self, slot: int) -> None:
+        """Free the cells a free ``slot`` (sequence id) kept (an evicted cached prefix).
+
+        Raises:
+            ValueError: a row is on ``slot``.
+        """
+        if slot not in self.rows.free_slots:
+            raise ValueError(f"slot {slot} is in use by a row")
+        self._lib.llama_memory_seq_rm(self._memory, slot, 0, -1)
 
     def truncate(self, row: int, length: int) -> None:
         """Keep only the first ``length`` cached tokens of ``row`` (rollback).

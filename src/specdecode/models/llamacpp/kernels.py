@@ -16,9 +16,12 @@ patch (:mod:`specdecode.models.llamacpp.invariant_patch`, :func:`invariant_rows`
 makes repacked matrix products multiply every row as a one-row pass does, so passes of any width
 are invariant while it is on. The switch is read each time a graph is computed, so it can change
 between ``llama_decode`` calls. :class:`ReferenceKernels` turns it on for the passes exact mode
-needs invariant (at most ``invariant_tokens`` tokens: every one-token decode and every verification
-chunk) and off for longer ones (a prompt's prefill, which then gets the fast tiled kernel: plain
-decoding and speculative decoding prefill the same way, so their outputs stay equal).
+needs invariant: on a patched build every pass, prefills included (``every_pass``: each cell is
+then what one-token decoding writes, so a reused prefix is exact, and on the 2-core Zen 3 EPYC the
+prefills were faster than on the fast kernels); on an unpatched one the passes of at most
+``invariant_tokens`` tokens (every one-token decode and every verification chunk), off for longer
+ones (a prompt's prefill, which then gets the fast tiled kernel: plain decoding and speculative
+decoding prefill the same way, so their outputs stay equal, but a reused prefix would not be).
 
 How. llama.cpp keeps its backends in the context's scheduler and exposes neither in its C API; the
 scheduler comes from the C++ accessor ``llama_context::get_sched() const`` (exported by
@@ -53,15 +56,23 @@ class ReferenceKernels:
         set_use_ref: ``ggml_backend_cpu_set_use_ref`` (ctypes function).
         backend: the context's CPU backend (``ggml_backend_t``, an address).
         invariant_tokens: passes of at most this many tokens run on the reference kernels.
+        every_pass: every pass runs on them, prefills included (a build with the batch-invariance
+            patch, where a pass of any width gives each row what a one-token pass gives): every
+            cell is then what one-token decoding writes, whichever pass wrote it, so a cached
+            prefix is reused exactly (:mod:`specdecode.models.prefix_cache`). Measured on the
+            2-core AMD EPYC Zen 3 (AVX2): prefills of 512 and 2,048 tokens of the default target
+            took 7.4 s and 36.2 s on them against 9.4 s and 41.0 s on the fast kernels
+            (lab/notebook/2026-12-07-prefix-cache.md).
 
     Attributes:
         on: whether the switch is on now (it starts off, llama.cpp's default).
     """
 
-    def __init__(self, set_use_ref: Any, backend: int, invariant_tokens: int) -> None:
+    def __init__(self, set_use_ref: Any, backend: int, invariant_tokens: int, every_pass: bool = False) -> None:
         self._set = set_use_ref
         self._backend = backend
         self.invariant_tokens = invariant_tokens
+        self.every_pass = every_pass
         self.on = False
 
     def before_pass(self, n_tokens: int, prompt: bool = False) -> None:
@@ -72,7 +83,7 @@ class ReferenceKernels:
         :func:`~specdecode.models.llamacpp.model.decode_batch` decides) of more than
         :data:`PROMPT_REFERENCE_TOKENS` tokens runs the fast kernels whatever its size."""
         limit = min(self.invariant_tokens, PROMPT_REFERENCE_TOKENS) if prompt else self.invariant_tokens
-        want = n_tokens <= limit
+        want = self.every_pass or n_tokens <= limit
         if want != self.on:
             self._set(self._backend, want)
             self.on = want
@@ -126,7 +137,8 @@ def _ggml_lib(name: str) -> Any:
 
 def reference_kernels(lib: Any, ctx: Any, invariant_tokens: int) -> ReferenceKernels | None:
     """The reference-kernel switch of ``ctx``'s CPU backend, or None where this llama.cpp build does
-    not offer it (see the module docstring).
+    not offer it (see the module docstring); on a build with the batch-invariance patch
+    (:func:`invariant_rows`) it is on for every pass (``every_pass``).
 
     Args:
         lib: llama-cpp-python's ``llama_cpp`` package.
@@ -164,4 +176,4 @@ def reference_kernels(lib: Any, ctx: Any, invariant_tokens: int) -> ReferenceKer
     if not address:
         return None
     set_use_ref = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_bool)(address)
-    return ReferenceKernels(set_use_ref, backends[0], invariant_tokens)
+    return ReferenceKernels(set_use_ref, backends[0], invariant_tokens, every_pass=invariant_rows() > 0)

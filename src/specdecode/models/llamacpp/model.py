@@ -44,6 +44,7 @@ import torch
 from specdecode.models.contract import RunnerCapabilities
 from specdecode.models.first_pass import FirstPass
 from specdecode.models.llamacpp import huge_pages
+from specdecode.models.prefix_cache import common_prefix
 from specdecode.sampling import argmax_ids
 
 if TYPE_CHECKING:
@@ -396,6 +397,15 @@ def decode_batch(
         raise RuntimeError(f"llama_decode failed with status {status} ({len(tokens)} tokens at {positions[0]}..)")
 
 
+def reuses_prefixes(exact: bool, kernels: ReferenceKernels | None) -> bool:
+    """Whether a context may keep a common prefix's cells for a new sequence (prefix caching): in
+    exact mode only where every pass runs on the invariant reference kernels (``kernels.every_pass``,
+    a patched CPU build), so that a kept cell is bit for bit the cell a fresh prefill writes;
+    outside exact mode always, as llama.cpp's server does (a kept cell then equals a fresh one up
+    to rounding: the fast kernels round a prefill's rows by its width)."""
+    return not exact or (kernels is not None and kernels.every_pass)
+
+
 def free_context(owner: Any) -> None:
     """Free ``owner._batch`` and ``owner._ctx`` once (a runner's ``__del__``; quiet at interpreter exit)."""
     lib = getattr(owner, "_lib", None)
@@ -443,6 +453,8 @@ class LlamaCppRunner:
         options = model.options
         self.capabilities = model.capabilities
         self._ctx, self.reference_kernels = new_context(model, n_ctx or options.n_ctx, n_seq_max=1)
+        self.reuses_prefixes = reuses_prefixes(options.exact, self.reference_kernels)
+        """:meth:`restart` keeps a common prefix's cells (:func:`reuses_prefixes`)."""
         self._n_ctx = int(lib.llama_n_ctx(self._ctx))
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(options.n_batch, 0, 1)
@@ -454,7 +466,9 @@ class LlamaCppRunner:
         self._tree: TreeCache | None = None  # a token tree's nodes after the cached sequence (forward_masked)
         self._embeddings = False  # a tree pass wants hidden states
         self._first: FirstPass | None = None  # the sequence's first pass (by restart) while its cells hold it
-        self.reused_prompt = False  # the last restart answered from the kept first pass
+        self._ids: list[int] = []  # the tokens of cells 0 .. len - 1 (a prefix of the cached sequence)
+        self.cached_tokens = 0  # prompt tokens the last restart did not feed (cells kept)
+        self.reused_prompt = False  # the last restart answered from the kept first pass (no pass at all)
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -488,15 +502,26 @@ class LlamaCppRunner:
         self.length = 0
         self._tree = None
         self._first = None
+        self._ids = []
 
     def restart(
         self, input_ids: torch.Tensor, num_logits: int = 1, return_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A new sequence's first pass over ``input_ids``: :meth:`reset` then :meth:`forward`, or,
-        when the current sequence began with a restart of these arguments and its cells are still
-        there, those cells kept (the rest dropped, ``llama_memory_seq_rm``) and that pass's
-        rows returned again, with no pass run (:mod:`specdecode.models.first_pass`: exact bit for
-        bit). :attr:`reused_prompt` says which.
+        """A new sequence's first pass over ``input_ids``, reusing what the cells hold (prefix
+        caching, as llama-cpp-python's ``Llama.generate`` and llama-server's ``cache_prompt``):
+
+        - the current sequence began with a restart of these arguments and its cells are still
+          there: those cells kept (the rest dropped, ``llama_memory_seq_rm``) and that pass's rows
+          returned again, with no pass run (:mod:`specdecode.models.first_pass`);
+        - else the cells of the longest common prefix of the cached sequence and ``input_ids`` are
+          kept (at most ``T - num_logits``; none with ``return_hidden``, whose features cover every
+          prompt token) and only the rest is fed;
+        - else :meth:`reset` then :meth:`forward`.
+
+        :attr:`cached_tokens` says how many prompt tokens were not fed. Exact in exact mode: a
+        common prefix is kept only where every pass gives each row what a one-token pass gives
+        (:attr:`reuses_prefixes`: the patched build's reference kernels), so a kept cell is the
+        cell a fresh prefill writes, bit for bit (``tests/test_prefix_cache.py``).
 
         Args and returns: those of :meth:`forward` (int64 ``[T]``; float32 ``[num_logits, V]``, with
         ``return_hidden`` also ``[T, H]``).
@@ -506,16 +531,24 @@ class LlamaCppRunner:
         """
         ids = [int(i) for i in input_ids.reshape(-1).tolist()]
         kept = self._first.answer(ids, num_logits, return_hidden) if self._first is not None else None
-        self.reused_prompt = kept is not None
-        if kept is None:
+        if kept is not None:
+            self._tree = None  # a tree's nodes, if any, come after the kept cells: dropped with the rest
+            self._cut(len(ids))
+            self.length = len(ids)
+            self.cached_tokens = len(ids)
+            self.reused_prompt = True
+            return kept
+        n = 0
+        if self.reuses_prefixes and not return_hidden and self._tree is None:
+            n = min(common_prefix(self._ids, ids), len(ids) - num_logits)
+        if n > 0:
+            self.truncate(n)
+        else:
             self.reset()
-            out = self.forward(input_ids, num_logits, return_hidden)
-            self._first = FirstPass.keep(ids, num_logits, out)
-            return out
-        self._tree = None  # a tree's nodes, if any, come after the kept cells: dropped with the rest
-        self._cut(len(ids))
-        self.length = len(ids)
-        return kept
+        self.cached_tokens, self.reused_prompt = n, False
+        out = self.forward(input_ids[n:], num_logits, return_hidden)
+        self._first = FirstPass.keep(ids, num_logits, out)
+        return out
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (rollback). After a tree pass
@@ -533,6 +566,7 @@ class LlamaCppRunner:
             if not self._lib.llama_memory_seq_rm(self._memory, 0, length, -1):  # pragma: no cover
                 raise RuntimeError(f"llama.cpp could not truncate the cache to {length} tokens")
             self.length = length
+            del self._ids[length:]
             if self._first is not None and length < self._first.length:
                 self._first = None  # its cells are gone
 
@@ -622,6 +656,8 @@ class LlamaCppRunner:
         kernels = self.reference_kernels
         decode_batch(lib, self._ctx, self._batch, ids, positions, [0] * n, outputs_asked, kernels, prompt)
         if start is None:
+            if len(self._ids) == first:  # a chain's tokens: known (a tree's nodes are not)
+                self._ids.extend(ids)
             self.length += n
         self.passes += 1
         if hidden is not None:
@@ -742,6 +778,7 @@ class LlamaCppRunner:
         """Drop the cells from position ``n`` on."""
         if not self._lib.llama_memory_seq_rm(self._memory, 0, n, -1):  # pragma: no cover
             raise RuntimeError(f"llama.cpp could not truncate the cache to {n} tokens")
+        del self._ids[n:]
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the entries ``keep`` (ascending) and nothing after the first of them, as

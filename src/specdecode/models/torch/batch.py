@@ -182,21 +182,28 @@ class TorchBatchedRunner:
         """Per row, its cached tokens (:class:`~specdecode.models.contract.RowTable`)."""
         return self.rows.lengths
 
-    def add_row(self) -> int:
-        """Start an empty row at the end; returns its index.
+    def add_row(self, slot: int | None = None, keep: int = 0) -> int:
+        """Start an empty row at the end; returns its index. (No prefix cache here:
+        ``capabilities.prefix_cache`` is False, ``slot`` and ``keep`` must be left out.)
 
         Raises:
             RuntimeError: all ``max_rows`` rows are in use.
+            CapabilityError: ``slot`` or ``keep`` given.
         """
+        if slot is not None or keep:
+            self.capabilities.require("prefix_cache", self, "a row adopting a cached prefix")
         return self.rows.add()
 
-    def remove_row(self, row: int) -> int | None:
-        """Free ``row``: the last row's cached entries move into its place.
+    def remove_row(self, row: int, keep: bool = False) -> int | None:
+        """Free ``row``: the last row's cached entries move into its place (``keep``: refused, no
+        prefix cache here).
 
         Returns:
             the former index of the row that moved to ``row`` (the caller renumbers it), or None
             when ``row`` was the last one.
         """
+        if keep:
+            self.capabilities.require("prefix_cache", self, "a row keeping its cells")
         last = self.num_rows - 1
         if self.rows.check_row(row) != last:
             self.cache.move_row(last, row, self.lengths[last])

@@ -127,6 +127,7 @@ class ModelRunner:
         self.length = 0
         self._first: FirstPass | None = None  # the sequence's first pass (by restart) while the cache holds it
         self.reused_prompt = False  # the last restart answered from the kept first pass
+        self.cached_tokens = 0  # prompt tokens the last restart did not feed (its whole prompt, or 0)
         self.head_ids: torch.Tensor | None = None  # int64 [N] on the model's device, or None
         if head_module is not None and head_ids is None:
             raise ValueError("head_module needs head_ids (the token ids of its rows)")
@@ -199,6 +200,7 @@ class ModelRunner:
         ids = [int(i) for i in input_ids.reshape(-1).tolist()]
         kept = self._first.answer(ids, num_logits, return_hidden) if self._first is not None else None
         self.reused_prompt = kept is not None
+        self.cached_tokens = len(ids) if kept is not None else 0
         if kept is None:
             self.reset()
             out = self.forward(input_ids, num_logits, return_hidden)
