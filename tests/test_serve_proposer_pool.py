@@ -59,3 +59,16 @@ def test_a_build_error_reaches_the_caller() -> None:
     with pytest.raises(RuntimeError, match="no draft model"):
         pool.take("draft_model", {})
     assert (pool.built, pool.idle()) == (0, 0)
+
+
+def test_a_conversations_next_request_takes_its_slots_proposer_uncleared() -> None:
+    """A request continuing the conversation that left from a slot gets that slot's proposer, only
+    reset (what it keeps across requests stays); any other gets one cleared and reset."""
+    pool = ProposerPool(lambda name, options: Fake(name), max_idle=4)
+    (a, key), (b, _) = pool.take("suffix", {}), pool.take("suffix", {})
+    pool.give(key, a, slot=3)
+    pool.give(key, b, slot=5)
+    again, _ = pool.take("suffix", {}, continues=3)
+    assert again is a and (a.clears, a.resets) == (1, 2)
+    other, _ = pool.take("suffix", {}, continues=7)  # no proposer left from slot 7
+    assert other is b and (b.clears, b.resets) == (2, 2)

@@ -96,6 +96,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="max_tokens of chat requests without one (default 512)",
     )
     s.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep what finished requests read, so a request that re-sends a history prefills only its "
+        "new tokens (llama.cpp; exact in exact mode; default on)",
+    )
+    s.add_argument(
+        "--prefix-cache-scope",
+        choices=["global", "user"],
+        default="global",
+        help="who may reuse a cached prefix: any request, or requests with the same 'user' field "
+        "(a shared cache is a timing side channel: docs/serving.md; default global)",
+    )
+    s.add_argument(
         "--replicas",
         type=int,
         default=None,
@@ -155,6 +169,8 @@ def settings_from_args(
         audit_log=args.audit_log,
         audit_log_prompts=args.audit_log_prompts,
         default_max_tokens=args.default_max_tokens,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_scope=args.prefix_cache_scope,
     )
 
 

@@ -216,6 +216,12 @@ class DraftModelProposer(ProposerBase):
         return self.runner.vocab_size
 
     def reset(self) -> None:
+        """Forget the request in progress. The draft's cells stay, with what they hold: the next
+        request's first ``propose`` keeps their common prefix with its context (a conversation's
+        next turn, a shared system prompt) and feeds only the rest, as every step does."""
+
+    def clear_cache(self) -> None:
+        """Forget the cells kept across requests: the state of a new instance."""
         self.runner.reset()
         self._cached = torch.empty(0, dtype=torch.int64)
 
@@ -226,7 +232,8 @@ class DraftModelProposer(ProposerBase):
     def _sync(self, context: torch.Tensor) -> torch.Tensor:
         """Roll the cache back to the prefix it shares with ``context``; return the logits of the
         token after ``context`` (float32 ``[V]``, or ``[N]`` over the token map)."""
-        n = min(self._cached.shape[0], context.shape[0] - 1)  # feed at least the last token
+        # feed at least the last token; an interrupted pass may have left fewer cells than _cached says
+        n = min(self._cached.shape[0], context.shape[0] - 1, self.runner.length)
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n
         self.runner.truncate(keep)

@@ -326,6 +326,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             ignore_eos=bool(body.ignore_eos),
             logprobs=body.num_logprobs(),  # type: ignore[attr-defined]
             prediction=prediction,
+            user=body.user,
         )
         try:
             admission.admit(req)

@@ -8,6 +8,7 @@ from typing import Any
 from specdecode.limits import check_num_speculative_tokens
 
 SPECULATION_MODES = ("on", "off", "adaptive")
+PREFIX_CACHE_SCOPES = ("global", "user")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class ServeSettings:
         audit_log: path of the JSONL audit log, or None for none.
         audit_log_prompts: write prompts into the audit log.
         default_max_tokens: ``max_tokens`` of a chat request that gives none (cut to the context).
+        prefix_cache: keep what finished requests read as cached prefixes, so a request that
+            re-sends a history prefills only its new tokens (:mod:`specdecode.models.prefix_cache`;
+            backends whose batched runner has ``capabilities.prefix_cache``: llama.cpp).
+        prefix_cache_scope: who may reuse a cached prefix: ``"global"`` (any request) or
+            ``"user"`` (requests with the same OpenAI ``user`` field; none: only each other).
 
     Raises:
         ValueError: a value out of range; the message names the CLI flag.
@@ -57,6 +63,8 @@ class ServeSettings:
     audit_log: str | None = None
     audit_log_prompts: bool = False
     default_max_tokens: int = 512
+    prefix_cache: bool = True
+    prefix_cache_scope: str = "global"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any) -> None:
@@ -65,6 +73,10 @@ class ServeSettings:
 
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"--speculation must be one of {list(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"--prefix-cache-scope must be one of {list(PREFIX_CACHE_SCOPES)}, got {self.prefix_cache_scope!r}"
+            )
         if self.num_speculative_tokens is not None:
             check_num_speculative_tokens(self.num_speculative_tokens, "--num-speculative-tokens")
         for name in ("max_batch_size", "kv_budget_tokens", "max_queue", "max_body_bytes", "default_max_tokens"):

@@ -11,6 +11,10 @@ Speculation counters (vLLM's ``SpecDecodingStats``, summed over all requests and
   acceptance length = 1 + accepted / drafts; per-position rate = per_pos[i] / drafts that
   reached position i.
 
+Prefix caching (vLLM's names): ``specdecode_prefix_cache_queries_total`` (prompt tokens looked up)
+and ``specdecode_prefix_cache_hits_total`` (of those, tokens whose KV a cached prefix held); hit rate
+= hits / queries. ``specdecode_prefix_cache_evictions_total``: cached prefixes dropped for room.
+
 Every server gets its own :class:`prometheus_client.CollectorRegistry`, so several servers (tests)
 live in one process. The scheduler thread updates the metrics; the ``/metrics`` route renders them.
 """
@@ -42,6 +46,15 @@ class ServeMetrics(PassObserver):
         )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled again)", registry=r
+        )
+        self.prefix_cache_evictions = Counter(
+            p + "prefix_cache_evictions", "Cached prefixes dropped to give a new request an empty slot", registry=r
+        )
         self.running = Gauge(p + "num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests in the waiting queue", registry=r)
         self.kv_reserved = Gauge(

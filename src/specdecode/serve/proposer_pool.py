@@ -9,11 +9,15 @@ own that has ended) joins the pool too: a llama.cpp context is not bound to a th
 CUDA graphs replayed from another thread than their capture's are not tested on a GPU yet.
 
 The scheduler takes a proposer from its :class:`ProposerPool` when a request starts and
-gives it back when the request leaves the batch; a proposer taken again is first cleared
-(``clear_cache``: what it keeps across requests, e.g. suffix decoding's earlier outputs) and reset
-(``reset``: the request in progress), which the proposer contract (:class:`~specdecode.proposers.base.Proposer`)
-says leaves the state of a new instance, so a pooled proposer drafts exactly what a new one would
-and no request's drafts depend on another's text.
+gives it back, with the batch slot its request left from, when the request leaves the batch. A
+request that continues a conversation (its prompt starts with what that slot's cached prefix holds:
+:mod:`specdecode.models.prefix_cache`) takes the proposer its slot's last request gave back, only
+reset (``reset``: the request in progress), so what it keeps across requests stays: suffix
+decoding's store of the conversation's earlier outputs, a draft model's cells (SuffixDecoding,
+arXiv 2411.04975: agent loops repeat their own earlier output). Any other request gets a proposer
+first cleared (``clear_cache``) and reset, which the proposer contract
+(:class:`~specdecode.proposers.base.Proposer`) says leaves the state of a new instance, so it drafts
+exactly what a new one would and its drafts depend on no other conversation's text.
 """
 
 from __future__ import annotations
@@ -55,17 +59,24 @@ class ProposerPool:
             raise ValueError(f"max_idle must be >= 0, got {max_idle}")
         self._build = build
         self.max_idle = max_idle
-        self._idle: dict[PoolKey, list[Proposer]] = {}
+        self._idle: dict[PoolKey, list[tuple[Proposer, int | None]]] = {}  # with the slot each left from
         self.built = 0
         self.reused = 0
 
-    def take(self, name: str, options: Mapping[str, Any]) -> tuple[Proposer, PoolKey]:
-        """A proposer ``name`` with ``options`` in the state of a new one (cleared and reset), and
-        the key to :meth:`give` it back under."""
+    def take(self, name: str, options: Mapping[str, Any], continues: int | None = None) -> tuple[Proposer, PoolKey]:
+        """A proposer ``name`` with ``options`` and the key to :meth:`give` it back under: the one
+        given back from slot ``continues`` (the request continues that slot's conversation), only
+        reset; else one in the state of a new one (cleared and reset)."""
         key = pool_key(name, options)
-        idle = self._idle.get(key)
+        idle = self._idle.get(key, [])
+        mine = [i for i, (_, slot) in enumerate(idle) if continues is not None and slot == continues]
+        if mine:
+            proposer, _ = idle.pop(mine[-1])
+            self.reused += 1
+            proposer.reset()
+            return proposer, key
         if idle:
-            proposer = idle.pop()
+            proposer, _ = idle.pop()
             self.reused += 1
         else:
             proposer = self._build(name, options)
@@ -74,11 +85,13 @@ class ProposerPool:
         proposer.reset()
         return proposer, key
 
-    def give(self, key: PoolKey, proposer: Proposer) -> None:
-        """Keep ``proposer`` (taken under ``key``, its request over) for a later :meth:`take`."""
+    def give(self, key: PoolKey, proposer: Proposer, slot: int | None = None) -> None:
+        """Keep ``proposer`` (taken under ``key``, its request over, which left from batch ``slot``)
+        for a later :meth:`take` (the oldest idle one of its key goes past ``max_idle``)."""
         idle = self._idle.setdefault(key, [])
-        if len(idle) < self.max_idle:
-            idle.append(proposer)
+        idle.append((proposer, slot))
+        if len(idle) > self.max_idle:
+            idle.pop(0)
 
     def idle(self) -> int:
         """Proposers kept now, over every key."""

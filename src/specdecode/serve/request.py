@@ -76,6 +76,8 @@ class ServeRequest:
             grammar state; None: unconstrained.
         prediction: the predicted answer's token ids (OpenAI's ``prediction``,
             :mod:`specdecode.proposers.prediction`), drafted first when the request speculates; None: none.
+        user: the client's OpenAI ``user`` field (the prefix cache's scope under
+            ``--prefix-cache-scope user``), or None.
         admitted_by: the :class:`~specdecode.serve.admission.Admission` that checked it (set by
             :meth:`~specdecode.serve.admission.Admission.admit`), so it is checked once; None: not yet.
     """
@@ -97,6 +99,7 @@ class ServeRequest:
     logprobs: int | None = None
     constraint: Any = None
     prediction: list[int] | None = None
+    user: str | None = None
     admitted_by: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -104,14 +107,16 @@ class ServeRequest:
         return self.num_speculative_tokens if self.speculative else 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int, prediction: Any = None) -> dict[str, Any]:
-    """OpenAI's ``usage`` object; with a prediction's
+def usage(prompt_tokens: int, completion_tokens: int, prediction: Any = None, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage`` object: ``prompt_tokens_details.cached_tokens`` (prompt tokens whose KV a
+    cached prefix held, not prefilled again); with a prediction's
     :class:`~specdecode.proposers.prediction.PredictionRecord`, its ``completion_tokens_details``
     (``accepted_prediction_tokens``, ``rejected_prediction_tokens``)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
     if prediction is not None:
         out["completion_tokens_details"] = prediction.completion_tokens_details()

@@ -51,6 +51,7 @@ from specdecode.draft_gate import DraftGate, PassCosts
 from specdecode.engine import eos_token_ids, needs_features
 from specdecode.logprobs import TokenLogprob
 from specdecode.models.backends import backend_of, make_batched_runner
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.models.torch.placement import device_clock
 from specdecode.pass_observers import PassObserver
 from specdecode.proposers import make_proposer
@@ -134,6 +135,8 @@ class Scheduler:
             lambda name, options: make_proposer(name, draft=self.draft, target=self.target, **options),
             settings.max_batch_size,
         )
+        # what finished requests read stays in their slots for the next (a runner with kept cells)
+        self.prefix_cache = PrefixCache() if settings.prefix_cache and self.runner.capabilities.prefix_cache else None
         self.active: list[RunningSequence] = []  # active[i].row == i
         self.reserved = 0
         self._prior: dict[str, float] = {}
@@ -374,8 +377,8 @@ class Scheduler:
         started = [seq for seq in map(self._start, admitted) if seq is not None]  # rows added, in order
         group: list[RunningSequence] = []
         for seq in started:  # prefill groups: consecutive rows, bounded padded size and padding share
-            padded = max(x.prompt_len for x in group + [seq]) * (len(group) + 1)
-            real = sum(x.prompt_len for x in group + [seq])
+            padded = max(x.prompt_len - x.cached_tokens for x in group + [seq]) * (len(group) + 1)
+            real = sum(x.prompt_len - x.cached_tokens for x in group + [seq])
             if group and (padded > MAX_PREFILL_TOKENS or padded > MAX_PREFILL_PADDING * real):
                 self._prefill(group)
                 group = []
@@ -391,11 +394,12 @@ class Scheduler:
 
     def _start(self, req: ServeRequest) -> RunningSequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
+        slot, reused = self._pick_slot(req)
         proposer = pooled = None
         if req.speculative and req.proposer is not None and self.admission.mode(req) != "off":
             options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
-            try:
-                proposer, key = self.proposer_pool.take(req.proposer, options)  # cleared and reset
+            try:  # a continued conversation keeps its proposer's cross-request state; else cleared
+                proposer, key = self.proposer_pool.take(req.proposer, options, slot if reused else None)
                 pooled = (key, proposer)
             except Exception as error:
                 self.reserved -= self.reservation(req)
@@ -413,9 +417,11 @@ class Scheduler:
                 self.reserved -= self.reservation(req)
                 self._reject(req, "error", f"could not build the constraint: {error}")
                 return None
+        if needs_features(proposer):  # it reads the target's features of every prompt position
+            reused = 0
         seq = RunningSequence(
             req,
-            self.runner.add_row(),
+            self.runner.add_row(slot, reused) if slot is not None else self.runner.add_row(),
             self.max_length,
             self.reservation(req),
             proposer,
@@ -427,10 +433,31 @@ class Scheduler:
         if proposer is not None and req.sampling.greedy and self.admission.mode(req) == "adaptive":
             seq.gate = DraftGate(self.pass_costs)  # as the engine's default schedule: see _plan
         seq.pooled = pooled
+        seq.cached_tokens = reused
         self.active.append(seq)
         self.metrics.queue_time.observe(max(0.0, seq.started - req.created))
         self.metrics.prompt_tokens.inc(seq.prompt_len)
+        if self.prefix_cache is not None:
+            self.metrics.prefix_cache_queries.inc(seq.prompt_len)
+            self.metrics.prefix_cache_hits.inc(reused)
         return seq
+
+    def _scope(self, req: ServeRequest) -> str | None:
+        """The prefix cache's scope of ``req``: None (``global``), or its ``user`` (``user``; a
+        request without one gets a scope of its own, so it shares with nobody)."""
+        if self.settings.prefix_cache_scope == "global":
+            return None
+        return f"user:{req.user}" if req.user is not None else f"request:{req.request_id}"
+
+    def _pick_slot(self, req: ServeRequest) -> tuple[int | None, int]:
+        """The slot a new row of ``req`` takes and the prompt tokens cached there (:class:`PrefixCache`;
+        ``(None, 0)`` without one)."""
+        if self.prefix_cache is None:
+            return None, 0
+        pick = self.prefix_cache.pick(req.prompt_ids, self.runner.free_slots, self._scope(req))  # type: ignore[attr-defined]
+        if pick.evicted is not None:
+            self.metrics.prefix_cache_evictions.inc()
+        return pick.slot, pick.reused
 
     def _prefill(self, seqs: list[RunningSequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
@@ -600,9 +627,15 @@ class Scheduler:
         """Remove ``s`` from the batch: free its row (the last row moves in) and its reservation."""
         if s not in self.active:
             return
-        moved = self.runner.remove_row(s.row)
+        slot = self.runner.seq_ids[s.row] if self.prefix_cache is not None else None  # type: ignore[attr-defined]
+        keep = slot is not None and s.finish_reason in ("stop", "length", "abort")
+        if keep:  # its cells hold context[:n]: a cached prefix for the next request
+            assert self.prefix_cache is not None and slot is not None
+            n = min(self.runner.lengths[s.row], s.T)
+            self.prefix_cache.leave(slot, s.context[:n].tolist(), self._scope(s.req))
+        moved = self.runner.remove_row(s.row, keep=True) if keep else self.runner.remove_row(s.row)
         if s.pooled is not None and s.proposer_error is None:  # a proposer that failed is not kept
-            self.proposer_pool.give(*s.pooled)
+            self.proposer_pool.give(*s.pooled, slot=slot if keep else None)
             s.pooled = None
         last = self.active.pop()
         if moved is not None:

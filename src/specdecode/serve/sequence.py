@@ -89,7 +89,7 @@ class RunningSequence(DecodeState):
         now = time.time()
         created = self.req.created
         return {
-            "usage": usage(self.prompt_len, len(self.generated), self.stats.prediction),
+            "usage": usage(self.prompt_len, len(self.generated), self.stats.prediction, self.cached_tokens),
             "speculative": speculative_summary(self.req, mode, enabled, self.stats, self.proposer_error),
             "timings": {
                 "created": created,
