@@ -38,6 +38,7 @@ SPECDECODE = Path(sys.executable).with_name("specdecode")
 PROMPT = "Write a Python function that adds two numbers."  # what the tour's "..." stands for
 BUDGETS = {  # appended per subcommand: small enough for a test, still a real run of every part
     "generate": ["--max-new-tokens", "8"],
+    "chat": ["--max-new-tokens", "8"],
     "bench": ["--categories", "qa", "--max-new-tokens", "8", "--no-progress"],
     "cost-table": ["--widths", "1,3", "--draft-widths", "1", "--depth", "16", "--prefill", "16", "--reps", "1",
                    "--step-tokens", "4"],
@@ -54,6 +55,7 @@ SCHEMA = {  # person.json: short enough to be completed in the budget below
 SCHEMA_BUDGET = ["--max-new-tokens", "24"]  # a schema-valid answer needs the closing brace
 TIMEOUT_S = 300
 CALC = "def add(a, b):\n    return a + b\n"  # calc.py, the file the tour's edit predicts
+CHAT_INPUT = "Write a Python function that adds two numbers.\nNow one that multiplies them.\n/exit\n"  # typed into chat
 
 
 def tour_section() -> str:
@@ -86,7 +88,7 @@ COMMANDS = tour_commands()
 
 def test_the_tour_has_commands_and_snippets() -> None:
     """The extraction finds what the tour shows (a guard against a heading or fence renamed)."""
-    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "bench", "serve", "doctor", "cost-table")
+    assert len(COMMANDS) >= 5 and all(argv[0] in ("generate", "chat", "bench", "serve", "doctor", "cost-table")
                                       for argv in COMMANDS)  # fmt: skip
     assert any("--compare" in argv for argv in COMMANDS)
     assert len(code_blocks("python")) == 2
@@ -100,9 +102,11 @@ def installed() -> None:
     assert SPECDECODE.is_file(), f"no {SPECDECODE}: run scripts/setup.sh"
 
 
-def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_cli(argv: list[str], cwd: Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}  # the statistics table on one line per row
-    return subprocess.run([str(SPECDECODE), *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [str(SPECDECODE), *argv], cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 def stats_rows(stderr: str) -> dict[str, str]:
@@ -135,10 +139,13 @@ def test_tour_command(argv: list[str], installed: None, tmp_path: Path) -> None:
     budget = SCHEMA_BUDGET if "--json-schema" in argv else BUDGETS.get(argv[0], [])
     if argv[0] == "bench":
         budget = [*budget, "--out", str(tmp_path / "bench")]
-    done = run_cli([*argv, *budget], tmp_path)
+    done = run_cli([*argv, *budget], tmp_path, CHAT_INPUT if argv[0] == "chat" else "")
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     if argv[0] == "generate":
         check_generate(argv, done)
+    elif argv[0] == "chat":  # two answers; the second turn prefilled after the first turn's cached prefix
+        cached = [int(n) for n in re.findall(r"cached tokens (\d+) of \d+", done.stderr)]
+        assert done.stdout.strip() and len(cached) == 2 and cached[0] == 0 and cached[1] > 20, done.stderr
     elif argv[0] == "bench":
         check_bench(argv, done, tmp_path / "bench")
     elif argv[0] == "doctor":  # the machine, the build, its smoke test (passed: these tests run on it), the choice

@@ -30,6 +30,9 @@ COMMANDS: dict[str, Command] = {
     "generate": Command(
         "generate for one prompt: streamed text and statistics", "specdecode.commands.generate", "add_generate_parser"
     ),
+    "chat": Command(
+        "chat interactively: streamed answers and statistics", "specdecode.commands.chat", "add_chat_parser"
+    ),
     "prepare": Command(
         "join, verify and convert the models into the cache", "specdecode.commands.prepare", "add_prepare_parser"
     ),
