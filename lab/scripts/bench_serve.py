@@ -331,7 +331,9 @@ class ServerProcess:
 
     peer = False  # our server: token ids, the speculation extension and /metrics
 
-    def __init__(self, args: argparse.Namespace, mode: str, log_path: Path, setup: dict[str, Any]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, mode: str, log_path: Path, setup: dict[str, Any], extra: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "specdecode.commands.main", "serve", "--port", str(self.port)]
@@ -351,7 +353,7 @@ class ServerProcess:
         for flag in ("target", "draft"):
             if getattr(args, flag):
                 command += [f"--{flag}", getattr(args, flag)]
-        self.command = command
+        self.command = command + list(extra)
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
