@@ -535,3 +535,30 @@ def test_a_closed_server_frees_its_models(chat_models, tiny_tokenizer) -> None:
     del server, client, target
     gc.collect()
     assert gone() is None
+
+
+def test_a_lone_surrogate_gets_a_400_naming_the_field(server) -> None:
+    """Valid JSON, no UTF-8: a clear 400 naming ``messages`` / ``prompt``, and the server goes on."""
+    body = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    json_type = {"content-type": "application/json"}
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, headers=json_type)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
+    body = '{"model": "tiny", "max_tokens": 2, "prompt": "\\udfff"}'
+    response = httpx.post(server.url + "/v1/completions", content=body, headers=json_type)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert server.client().completions.create(model="tiny", prompt="def", max_tokens=2).choices[0].text is not None
+
+
+def test_an_unexpected_error_answers_openais_error_json(server, monkeypatch) -> None:
+    """A bug in a route: 500 with OpenAI's error JSON and an id that the logged traceback carries."""
+    from specdecode.serve import app as app_module
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(app_module, "chat_template_messages", broken)
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 500 and error["type"] == "server_error" and error["code"].startswith("err-")
+    assert "TypeError: a bug" in error["message"]

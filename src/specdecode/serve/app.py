@@ -32,8 +32,10 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import re
 import time
+import traceback
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -61,6 +63,7 @@ from specdecode.serve.structured import (
     tool_mode,
 )
 
+log = logging.getLogger("specdecode.serve")
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -208,6 +211,14 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        """Anything unexpected: OpenAI's error JSON with an id to find the logged traceback by."""
+        error_id = "err-" + uuid.uuid4().hex[:12]
+        log.error("%s %s failed (%s): %s", request.method, request.url.path, error_id, traceback.format_exc())
+        message = f"internal error {error_id}: {type(error).__name__}: {error}"
+        return JSONResponse(status_code=500, content=error_body(message, "server_error", None, error_id))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
@@ -289,7 +300,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         k = settings.k_for(proposer if speculative else None, body.num_speculative_tokens)
         prediction = None
         if body.prediction is not None:
-            prediction = encode(body.prediction.text(), add_special_tokens=False)
+            prediction = encode(body.prediction.text(), add_special_tokens=False, param="prediction")
             if len(prediction) > MAX_PREDICTION_TOKENS:
                 raise bad_request(
                     f"prediction: {len(prediction)} tokens; at most {MAX_PREDICTION_TOKENS} are taken", "prediction"
@@ -336,7 +347,15 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         req.audit_settings["speculation_mode"] = admission.mode(req)  # the mode it decodes with
         return req
 
-    def encode(text: str, add_special_tokens: bool) -> list[int]:
+    def encode(text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """``text``'s token ids; 400 naming ``param`` where it is not valid Unicode text (a lone
+        surrogate such as ``"\\ud800"`` is valid JSON but no UTF-8)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise bad_request(
+                f"{param}: not valid Unicode text (a lone surrogate at character {error.start})", param
+            ) from None
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @app.post("/v1/completions", dependencies=v1)
@@ -349,7 +368,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
-            ids = encode(prompt, add_special_tokens=True)
+            ids = encode(prompt, add_special_tokens=True, param="prompt")
         else:
             ids = [int(i) for i in prompt]
         req = prepare(body, ids, body.max_tokens or 16, "/v1/completions", body.prompt)
@@ -369,7 +388,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings, tokenizer: Any) ->
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as error:
             raise bad_request(f"messages: the chat template failed: {error}", "messages") from None
-        ids = encode(text, add_special_tokens=False)
+        ids = encode(text, add_special_tokens=False, param="messages")
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = max(1, min(settings.default_max_tokens, served().max_length - len(ids)))
