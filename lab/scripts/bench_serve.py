@@ -355,7 +355,7 @@ class ServerProcess:
                 command += [f"--{flag}", getattr(args, flag)]
         self.command = command + list(extra)
         self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> None:
         wait_http_ready(self.process, self.url + "/health", "the server", self.log.name, timeout)
