@@ -314,7 +314,7 @@ def test_another_baseline_gives_a_paired_ab_comparison(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- exactness, skipped peers
 def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
-    def wrong(models, prompt_ids, settings, k, prediction=None):
+    def wrong(models, prompt_ids, settings, k, prediction=None, continues=False):
         return MethodOutput([5] * settings.max_new_tokens, 0.01)
 
     monkeypatch.setitem(METHODS, "wrong", Method("wrong", wrong, peer=True))
@@ -324,7 +324,7 @@ def test_wrong_method_is_flagged_not_exact(models, questions, monkeypatch):
 
 
 def test_peer_that_raises_is_skipped_with_reason(models, questions, monkeypatch, capsys, tmp_path):
-    def broken(models, prompt_ids, settings, k, prediction=None):
+    def broken(models, prompt_ids, settings, k, prediction=None, continues=False):
         raise RuntimeError("no such feature")
 
     monkeypatch.setitem(METHODS, "broken", Method("broken", broken, peer=True))
@@ -339,7 +339,7 @@ def test_peer_that_raises_is_skipped_with_reason(models, questions, monkeypatch,
 
 
 def test_our_method_errors_propagate(models, questions, monkeypatch):
-    def bug(models, prompt_ids, settings, k, prediction=None):
+    def bug(models, prompt_ids, settings, k, prediction=None, continues=False):
         raise RuntimeError("engine bug")
 
     monkeypatch.setitem(METHODS, "bug", Method("bug", bug))
@@ -633,3 +633,31 @@ def test_the_llamacpp_peer_stops_at_eos_or_the_limit_and_times_its_first_token()
     assert out.token_ids == [5, 6, 7, 2] and llm.calls == [([1, 1], 0.0)] and llm.resets == 1
     assert 0 <= out.time_to_first_token_s <= out.wall_time_s
     assert run(models, [1], BenchSettings(max_new_tokens=2), None, None).token_ids == [5, 6]
+
+
+def test_multi_turn_prompts_continue_their_history(models, questions, monkeypatch):
+    """``multi_turn``: the coding session on colorsys.py (six turns) and the file's two-turn MT-bench
+    questions; every turn after a prompt's first is run with ``continues`` (the method may reuse
+    what the earlier turns read), the first from an empty cache; our engine's tokens are those it
+    gives with every prompt prefilled whole."""
+    from specdecode.bench.prompts import CODING_SESSION
+
+    prompts = load_prompts(questions, "multi_turn", None)
+    assert [(p.question_id, len(p.turns), p.keeps_history) for p in prompts] == [("colorsys", 6, True), (1, 2, True)]
+    assert "def rgb_to_hsv" in prompts[0].turns[0] and prompts[0].turns[1:] == CODING_SESSION[1:]
+    assert not any(p.keeps_history for p in load_prompts(questions, "mt_bench", None))
+    seen: list[bool] = []
+    target = METHODS["target"]
+
+    def recording(models, prompt_ids, settings, k, prediction=None, continues=False):
+        seen.append(continues)
+        return target.run(models, prompt_ids, settings, k, prediction, continues)
+
+    monkeypatch.setitem(METHODS, "recording", Method("recording", recording))
+    short = [prompts[1]]  # the MT-bench question: two short turns
+    with_history = run_bench(models, short, expand(["recording"], [3]), SETTINGS, progress=False)
+    assert seen[-2:] == [False, True]  # after the warm-up (a first turn)
+    whole = run_bench(
+        models, load_prompts(questions, "mt_bench", None), expand(["target"], [3]), SETTINGS, progress=False
+    )
+    assert [r["token_ids"] for r in with_history["records"]] == [r["token_ids"] for r in whole["records"]]

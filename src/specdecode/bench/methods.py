@@ -271,7 +271,7 @@ class MethodOutput:
     time_to_first_token_s: float | None = None
 
 
-RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None", "str | None"], MethodOutput]
+RunFn = Callable[[BenchModels, list[int], BenchSettings, "int | None", "str | None", bool], MethodOutput]
 
 
 @dataclass(frozen=True)
@@ -321,10 +321,17 @@ class Variant:
         return self.method.name if self.k is None else f"{self.method.name}[k={self.k}]"
 
     def run(
-        self, models: BenchModels, prompt_ids: list[int], settings: BenchSettings, prediction: str | None = None
+        self,
+        models: BenchModels,
+        prompt_ids: list[int],
+        settings: BenchSettings,
+        prediction: str | None = None,
+        continues: bool = False,
     ) -> MethodOutput:
-        """Decode one turn (see :class:`Method`); ``prediction``: the turn's expected answer, or None."""
-        return self.method.run(models, prompt_ids, settings, self.k, prediction)
+        """Decode one turn (see :class:`Method`); ``prediction``: the turn's expected answer, or None;
+        ``continues``: the turn continues this method's previous sequence (a ``multi_turn`` prompt's
+        later turn), whose cache it may reuse; else it is prefilled whole."""
+        return self.method.run(models, prompt_ids, settings, self.k, prediction, continues)
 
 
 METHODS: dict[str, Method] = {}
@@ -350,10 +357,16 @@ def _engine_run(
     ``uses_prediction`` the turn's prediction drafts first (k: the sweep's, else the prediction's 16)."""
 
     def run(
-        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+        models: BenchModels,
+        prompt_ids: list[int],
+        settings: BenchSettings,
+        k: int | None,
+        prediction: str | None,
+        continues: bool = False,
     ) -> MethodOutput:
         prediction = prediction if uses_prediction else None
         generator = models.generator(proposer, factory) if dtype is None else models.target_in(dtype)
+        generator.reuse_prompt = continues  # prefix caching only within a multi_turn prompt
         sampling = settings.sampling()
         own_k = default_num_speculative_tokens(generator.proposer)
         default_k = PREDICTION_DEFAULT_K if prediction is not None else own_k
@@ -392,9 +405,14 @@ def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, u
     sweep's, else :data:`~specdecode.proposers.base.DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
 
     def run(
-        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+        models: BenchModels,
+        prompt_ids: list[int],
+        settings: BenchSettings,
+        k: int | None,
+        prediction: str | None,
+        continues: bool = False,
     ) -> MethodOutput:
-        k = k or DEFAULT_NUM_SPECULATIVE_TOKENS
+        k = k or DEFAULT_NUM_SPECULATIVE_TOKENS  # transformers' generate keeps no cache between calls
         kwargs = extra(models, k) if extra is not None else {}
         input_ids = torch.tensor([prompt_ids], dtype=torch.int64, device=models.target.device)  # (1, T)
         eos = models.eos_token_ids
@@ -415,11 +433,18 @@ def _hf_run(extra: Callable[[BenchModels, int], dict[str, Any]] | None = None, u
 
 def _llama_run(prompt_lookup: bool) -> RunFn:
     """A peer: llama-cpp-python's ``Llama.generate`` on the target's GGUF file, from an empty cache
-    (``reset()`` first: no prefix reuse between prompts or repeats), until EOS or max_new_tokens;
-    greedy is ``temp=0``, sampling ``temp=T`` with top-k, top-p and min-p off."""
+    (``reset()`` first: no prefix reuse between prompts or repeats) unless the turn ``continues`` a
+    ``multi_turn`` prompt (then from the longest common prefix of its cache, as ``generate`` does),
+    until EOS or max_new_tokens; greedy is ``temp=0``, sampling ``temp=T`` with top-k, top-p and
+    min-p off."""
 
     def run(
-        models: BenchModels, prompt_ids: list[int], settings: BenchSettings, k: int | None, prediction: str | None
+        models: BenchModels,
+        prompt_ids: list[int],
+        settings: BenchSettings,
+        k: int | None,
+        prediction: str | None,
+        continues: bool = False,
     ) -> MethodOutput:
         pred = (k or 10) if prompt_lookup else None  # 10: LlamaPromptLookupDecoding's default
         llm = models.llama(pred)
@@ -427,7 +452,8 @@ def _llama_run(prompt_lookup: bool) -> RunFn:
         if not settings.greedy:
             llm.set_seed(settings.seed)
         tic = time.perf_counter()
-        llm.reset()
+        if not continues:
+            llm.reset()
         new_ids: list[int] = []
         first: float | None = None
         for token in llm.generate(

