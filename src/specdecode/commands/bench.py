@@ -47,7 +47,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--categories",
         metavar="LIST",
         help=f"comma list of {categories} such as coding (default: all; with --questions, the file's "
-        "Spec-Bench groups, humaneval only when named)",
+        "Spec-Bench groups, humaneval only when named); named only: code_edit (edits with the file as the "
+        "prediction), multi_turn (conversations whose later turns reuse what the earlier ones read)",
     )
     b.add_argument(
         "--methods",
