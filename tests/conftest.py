@@ -343,7 +343,8 @@ normal priority beside the real models' loads, Ray Serve's proxy did not start i
 REAL_MODEL_FILES = frozenset({
     "test_contract.py", "test_exact_bf16.py", "test_llamacpp.py", "test_llamacpp_check.py",
     "test_llamacpp_gpu_rules.py", "test_llamacpp_proposers.py", "test_llamacpp_tree.py", "test_logprobs_llamacpp.py",
-    "test_readme_tour.py", "test_real_models.py", "test_serve_llamacpp.py", "test_structured_llamacpp.py",
+    "test_prefix_cache.py", "test_readme_tour.py", "test_real_models.py", "test_serve_llamacpp.py",
+    "test_structured_llamacpp.py",
 })  # fmt: skip
 """The test files that load the real default models (tests/test_suite_layout.py checks the list)."""
 
