@@ -436,8 +436,9 @@ def test_sampled_first_two_tokens_follow_the_target(target, draft, tokenizer) ->
 def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> None:
     """Prompt reuse through the engine: a request whose prompt is the previous one's skips the
     prefill (``stats.prefill_reused``) and gives the tokens a generator that runs every prefill
-    (``reuse_prompt = False``) gives, greedy and sampled with a seed; the draft model's own first
-    pass runs every time."""
+    (``reuse_prompt = False``) gives, greedy and sampled with a seed; the draft model keeps its
+    cells across requests too (``clear_cache`` forgets them): its first pass feeds the last prompt
+    token only, and it drafts what a fresh draft does."""
     prompt = tokenizer.encode("def fibonacci(n):")
     reusing = SpeculativeGenerator(target, draft=draft)
     fresh = SpeculativeGenerator(target, draft=draft)
@@ -446,10 +447,12 @@ def test_a_repeated_prompt_decodes_as_a_fresh_one(target, draft, tokenizer) -> N
     reusing.generate(prompt, runs[0], num_speculative_tokens=3)
     for sampling in runs:
         again = reusing.generate(prompt, sampling, num_speculative_tokens=3)
+        fresh.proposer.clear_cache()  # its draft from an empty cache
         alone = fresh.generate(prompt, sampling, num_speculative_tokens=3)
         assert again.stats.prefill_reused and not alone.stats.prefill_reused
         assert again.token_ids == alone.token_ids
-        assert again.stats.draft_pass_widths == alone.stats.draft_pass_widths  # the draft's prefill too
+        assert again.stats.draft_pass_widths[0] == 1 < alone.stats.draft_pass_widths[0]  # the draft's kept prompt
+        assert again.stats.accepted_per_step == alone.stats.accepted_per_step  # the same drafts
     other = reusing.generate(prompt[:-1], runs[0], num_speculative_tokens=3)
     assert not other.stats.prefill_reused
 

@@ -236,7 +236,10 @@ class DraftModelProposer(ProposerBase):
         n = min(self._cached.shape[0], context.shape[0] - 1, self.runner.length)
         differ = (self._cached[:n] != context[:n]).nonzero()
         keep = int(differ[0, 0]) if differ.numel() else n
-        self.runner.truncate(keep)
+        if keep == 0:  # nothing in common: a new sequence (a runner may prefill it otherwise than it appends)
+            self.runner.reset()
+        else:
+            self.runner.truncate(keep)
         self.passes(context.shape[0] - keep)
         return self.runner.forward(context[keep:], num_logits=1)[-1]
 
