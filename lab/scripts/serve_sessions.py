@@ -35,15 +35,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_serve  # noqa: E402
 
+from specdecode.bench.prompts import CODING_SESSION  # noqa: E402
+
 SYSTEM = "You are a helpful coding assistant. Answer concisely."
-QUESTIONS = [
-    "Here is a Python module:\n```python\n{module}```\nExplain briefly what rgb_to_hsv does.",
-    "Add type hints to rgb_to_yiq and yiq_to_rgb. Show the two functions.",
-    "Write a pytest test that checks hls_to_rgb(*rgb_to_hls(r, g, b)) round-trips for a few colours.",
-    "Can rgb_to_hls divide by zero for any input in [0, 1]? Answer briefly.",
-    "Rewrite hsv_to_rgb with a tuple lookup instead of the if chain. Show the whole function.",
-    "Summarize the module in three bullet points.",
-]
+QUESTIONS = CODING_SESSION  # the bench's multi_turn coding session: "{module}" is colorsys.py
 
 
 def module_text() -> tuple[str, str]:
