@@ -394,12 +394,12 @@ class Scheduler:
 
     def _start(self, req: ServeRequest) -> RunningSequence | None:
         """Give an admitted request its row, proposer, generator and text stream (None: it failed)."""
-        slot, reused = self._pick_slot(req)
+        slot, reused, continues = self._pick_slot(req)
         proposer = pooled = None
         if req.speculative and req.proposer is not None and self.admission.mode(req) != "off":
             options = self.settings.proposer_options if req.proposer == self.settings.proposer else {}
             try:  # a continued conversation keeps its proposer's cross-request state; else cleared
-                proposer, key = self.proposer_pool.take(req.proposer, options, slot if reused else None)
+                proposer, key = self.proposer_pool.take(req.proposer, options, slot if continues else None)
                 pooled = (key, proposer)
             except Exception as error:
                 self.reserved -= self.reservation(req)
@@ -449,15 +449,17 @@ class Scheduler:
             return None
         return f"user:{req.user}" if req.user is not None else f"request:{req.request_id}"
 
-    def _pick_slot(self, req: ServeRequest) -> tuple[int | None, int]:
-        """The slot a new row of ``req`` takes and the prompt tokens cached there (:class:`PrefixCache`;
-        ``(None, 0)`` without one)."""
+    def _pick_slot(self, req: ServeRequest) -> tuple[int | None, int, bool]:
+        """The slot a new row of ``req`` takes, the prompt tokens cached there and whether ``req``
+        continues that slot's conversation (its cached prefix reused, none of it dropped for a
+        stranger: :class:`~specdecode.models.prefix_cache.Pick`); ``(None, 0, False)`` without a
+        prefix cache."""
         if self.prefix_cache is None:
-            return None, 0
+            return None, 0, False
         pick = self.prefix_cache.pick(req.prompt_ids, self.runner.free_slots, self._scope(req))  # type: ignore[attr-defined]
         if pick.evicted is not None:
             self.metrics.prefix_cache_evictions.inc()
-        return pick.slot, pick.reused
+        return pick.slot, pick.reused, pick.reused > 0 and pick.evicted is None
 
     def _prefill(self, seqs: list[RunningSequence]) -> None:
         """One ragged pass over the prompts of ``seqs`` (consecutive new rows); emit each first token."""
