@@ -44,7 +44,7 @@ class ServeMetrics(PassObserver):
         self.request_success = Counter(
             p + "request_success", "Finished requests by finish reason", ["finished_reason"], registry=r
         )
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens, cached ones included", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.prefix_cache_queries = Counter(
             p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
