@@ -118,7 +118,6 @@ class DecodeState:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.ignore_eos = ignore_eos
         self.prompt_len = P
-        self.cached_tokens = 0  # prompt tokens whose cells the runner holds already (prefix caching)
         self.limit = min(sampling.max_new_tokens, max_length - P)
         self.context = torch.empty(P + self.limit + max_k + 1, dtype=torch.int64)
         self.context[:P] = prompt
@@ -143,6 +142,15 @@ class DecodeState:
     def prompt_ids(self) -> torch.Tensor:
         """The prompt, int64 ``[P]`` (a view of :attr:`context`)."""
         return self.context[: self.prompt_len]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose cells the runner holds already (a reused prefix; ``stats.cached_tokens``)."""
+        return self.stats.cached_tokens
+
+    @cached_tokens.setter
+    def cached_tokens(self, n: int) -> None:
+        self.stats.cached_tokens = n
 
     def prefill_ids(self) -> torch.Tensor:
         """The prefill's tokens: the prompt after its :attr:`cached_tokens` (which the runner's cells

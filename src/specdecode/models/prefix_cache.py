@@ -77,24 +77,13 @@ class Pick:
 class PrefixCache:
     """Which idle slot of a batched runner holds which tokens, and which slot a new request takes.
 
-    Args:
-        min_tokens: a common prefix shorter than this is not reused (its slot counts as empty).
-
     Attributes:
         idle: per idle slot that holds cells, its :class:`CachedPrefix`.
     """
 
-    def __init__(self, min_tokens: int = 1) -> None:
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
-            raise ValueError(f"min_tokens must be an integer >= 1, got {min_tokens!r}")
-        self.min_tokens = min_tokens
+    def __init__(self) -> None:
         self.idle: dict[int, CachedPrefix] = {}
         self._clock = itertools.count()
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens held by idle slots."""
-        return sum(len(c.ids) for c in self.idle.values())
 
     def pick(self, prompt: Sequence[int], free: Iterable[int], scope: str | None = None) -> Pick:
         """The slot a request with ``prompt`` takes among the ``free`` slots (not running a row),
@@ -115,15 +104,12 @@ class PrefixCache:
         free = sorted(free)
         if not free:
             raise RuntimeError("no free slot for a new row")
-        limit = len(prompt) - 1
-        best, best_n = None, 0
-        for slot in free:
-            cached = self.idle.get(slot)
-            if cached is None or cached.scope != scope:
-                continue
-            n = min(common_prefix(cached.ids, prompt), limit)
-            if n >= self.min_tokens and (n, cached.used) > (best_n, self.idle[best].used if best is not None else -1):
-                best, best_n = slot, n
+        mine = [s for s in free if s in self.idle and self.idle[s].scope == scope]
+        shared = {s: min(common_prefix(self.idle[s].ids, prompt), len(prompt) - 1) for s in mine}
+        best = max(mine, key=lambda s: (shared[s], self.idle[s].used), default=None)
+        best_n = shared[best] if best is not None else 0
+        if best_n == 0:
+            best = None
         empty = [slot for slot in free if slot not in self.idle]
         if best is not None and best_n >= SIMILARITY * len(self.idle[best].ids):
             del self.idle[best]
@@ -141,9 +127,3 @@ class PrefixCache:
             self.idle[slot] = CachedPrefix(tuple(int(i) for i in ids), scope, next(self._clock))
         else:
             self.idle.pop(slot, None)
-
-    def clear(self) -> list[int]:
-        """Forget every idle prefix; returns their slots (the runner frees their cells)."""
-        slots = list(self.idle)
-        self.idle.clear()
-        return slots

@@ -421,7 +421,7 @@ class Scheduler:
             reused = 0
         seq = RunningSequence(
             req,
-            self.runner.add_row(slot, reused) if slot is not None else self.runner.add_row(),
+            self.runner.add_row(slot, reused),
             self.max_length,
             self.reservation(req),
             proposer,

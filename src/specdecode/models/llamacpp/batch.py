@@ -218,16 +218,6 @@ class LlamaCppBatchedRunner:
             self._lib.llama_memory_seq_rm(self._memory, self.seq_ids[self.rows.check_row(row)], 0, -1)
         return self.rows.remove(row)
 
-    def drop_slot(self, slot: int) -> None:
-        """Free the cells a free ``slot`` (sequence id) kept (an evicted cached prefix).
-
-        Raises:
-            ValueError: a row is on ``slot``.
-        """
-        if slot not in self.rows.free_slots:
-            raise ValueError(f"slot {slot} is in use by a row")
-        self._lib.llama_memory_seq_rm(self._memory, slot, 0, -1)
-
     def truncate(self, row: int, length: int) -> None:
         """Keep only the first ``length`` cached tokens of ``row`` (rollback).
 
